@@ -1,0 +1,1 @@
+"""The coordinator: request queue, continuous batching, the round loop, stop conditions, streaming."""

@@ -1,0 +1,69 @@
+"""A request as the coordinator tracks it, and what it reports per round."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from coordinator.text_stream import TextStream
+from specdec.params import SamplingParams
+
+
+@dataclass
+class RequestStats:
+    proposed: int = 0  # draft tokens offered to the target
+    accepted: int = 0  # draft tokens the target kept
+    rounds: int = 0  # rounds this request took part in = target forward passes over it
+    draft_forward_passes: int = 0
+    generated: int = 0
+    prompt_tokens: int = 0
+    has_draft: bool = False
+
+    @property
+    def target_forward_passes(self) -> int:
+        return self.rounds
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.has_draft or self.proposed == 0:
+            return None
+        return self.accepted / self.proposed
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward pass (1.0 for plain decoding)."""
+        return self.generated / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    num_speculative_tokens: int | None = None  # None = the server default, 0 = no speculation
+    deadline: float | None = None  # time.monotonic() value after which the request is cut off
+
+
+@dataclass
+class RequestUpdate:
+    """What one round produced for one request (streamed to its client as one message)."""
+
+    req_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "deadline" | "error"
+    stats: RequestStats | None = None
+    error: str | None = None
+    error_kind: str | None = None  # "unavailable" | "internal" | "deadline" (maps to a gRPC code)
+
+
+@dataclass
+class RunningRequest:
+    request: Request
+    spec_k: int
+    stream: TextStream
+    generated: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    unsent_to_draft: list[int] = field(default_factory=list)
+    started_target: bool = False
+    started_at: float = field(default_factory=time.monotonic)

@@ -1,0 +1,1 @@
+"""The draft worker: proposes K tokens per sequence (and q for sampled requests)."""

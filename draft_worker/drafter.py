@@ -1,0 +1,19 @@
+"""The Drafter interface: what any proposer of draft tokens must do."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from specdec.round_types import DraftInfo, DraftProposal, DraftTask
+
+
+class Drafter(ABC):
+    @abstractmethod
+    def info(self) -> DraftInfo: ...
+
+    @abstractmethod
+    def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
+        """One proposal per task, in order. A task's new_tokens are recorded even when k == 0."""
+
+    @abstractmethod
+    def release(self, req_ids: list[str]) -> None:
+        """Forget these requests (finished, cancelled or failed); unknown ids are ignored."""

@@ -1,0 +1,57 @@
+"""Prompt-lookup drafting: no model, propose what followed the last occurrence of the current suffix.
+
+Code and chat repeat themselves (identifiers, boilerplate, quoted context), so the tokens that
+followed an earlier occurrence of the last n tokens are often what comes next. For sampled
+requests the proposal is deterministic, so q is one-hot at the proposed token: acceptance is then
+p(t) and the residual is p with t removed, which keeps the output exactly the target's.
+"""
+from __future__ import annotations
+
+import torch
+
+from draft_worker.drafter import Drafter
+from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
+
+
+def lookup_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Tokens that followed the most recent earlier match of the longest suffix n-gram."""
+    n_tokens = len(tokens)
+    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
+        suffix = tokens[n_tokens - n:]
+        # Scan right to left so the most recent occurrence (most relevant context) wins.
+        for start in range(n_tokens - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, window: int = 2048):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.window = window  # bound the scan so a long context cannot make a round slow
+        self._tokens: dict[str, list[int]] = {}
+
+    def info(self) -> DraftInfo:
+        return DraftInfo(kind="ngram", extra={"max_ngram": self.max_ngram, "min_ngram": self.min_ngram})
+
+    def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
+        proposals = []
+        for task in tasks:
+            tokens = self._tokens.setdefault(task.req_id, [])
+            tokens.extend(task.new_tokens)
+            draft = lookup_continuation(tokens[-self.window:], task.k, self.max_ngram, self.min_ngram) if task.k > 0 else []
+            q = None
+            if draft and not task.params.greedy:
+                q = SparseDist(token_ids=torch.tensor(draft, dtype=torch.long)[:, None],
+                               probs=torch.ones(len(draft), 1))
+            proposals.append(DraftProposal(req_id=task.req_id, tokens=draft, q=q, draft_forward_passes=0))
+        return proposals
+
+    def release(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._tokens.pop(req_id, None)

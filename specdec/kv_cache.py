@@ -1,0 +1,133 @@
+"""Paged KV cache: fixed-size blocks, a block table per sequence, exact block accounting.
+
+Each sequence owns an ordered list of block ids; token i of the sequence lives in block
+table[i // block_size] at offset i % block_size. Rolling back after rejected draft tokens is
+`truncate_to`, which returns now-unused trailing blocks to the free pool at once.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free blocks; the scheduler should not have admitted this much work."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.num_blocks = num_blocks
+        # Pop from the end: low block ids are handed out first, which keeps tests readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheFull(f"need {n} KV blocks, only {len(self._free)} free of {self.num_blocks}")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._is_free[b] = False
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise AssertionError(f"KV block {b} freed twice")
+            self._is_free[b] = True
+            self._free.append(b)
+
+
+class PagedKVCache:
+    """K and V storage for every layer plus per-sequence block tables."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.block_size = block_size
+        self.num_layers = num_layers
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.allocator = BlockAllocator(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._lengths: dict[str, int] = {}
+
+    # -- sequence bookkeeping -------------------------------------------------------------
+    def add_sequence(self, seq_id: str) -> None:
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a KV cache")
+        self._tables[seq_id] = []
+        self._lengths[seq_id] = 0
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def sequence_ids(self) -> list[str]:
+        return list(self._tables)
+
+    def length(self, seq_id: str) -> int:
+        return self._lengths[seq_id]
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._tables[seq_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def append_slots(self, seq_id: str, num_new: int) -> torch.Tensor:
+        """Grow the sequence by num_new tokens (allocating blocks) and return their flat slots."""
+        start = self._lengths[seq_id]
+        new_len = start + num_new
+        table = self._tables[seq_id]
+        missing = self.blocks_needed(new_len) - len(table)
+        if missing > 0:
+            table.extend(self.allocator.allocate(missing))
+        self._lengths[seq_id] = new_len
+        positions = torch.arange(start, new_len)
+        blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def truncate_to(self, seq_id: str, length: int) -> None:
+        """Keep only the first `length` tokens; trailing blocks go back to the pool now."""
+        if length < 0 or length > self._lengths[seq_id]:
+            raise ValueError(f"cannot truncate {seq_id!r} of length {self._lengths[seq_id]} to {length}")
+        table = self._tables[seq_id]
+        keep = self.blocks_needed(length)
+        if keep < len(table):
+            self.allocator.free(table[keep:])
+            del table[keep:]
+        self._lengths[seq_id] = length
+
+    def free_sequence(self, seq_id: str) -> None:
+        table = self._tables.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
+        if table:
+            self.allocator.free(table)
+
+    def check_accounting(self) -> None:
+        """Every block is owned by exactly one live sequence or is free (used by tests)."""
+        owned = [b for t in self._tables.values() for b in t]
+        if len(owned) != len(set(owned)):
+            raise AssertionError("a KV block is owned by two sequences")
+        free = set(self.allocator._free)
+        if free & set(owned):
+            raise AssertionError("a KV block is both free and owned")
+        if len(free) + len(owned) != self.allocator.num_blocks or len(free) != len(self.allocator._free):
+            raise AssertionError("KV blocks leaked or duplicated in the free list")
+        for seq_id, table in self._tables.items():
+            if len(table) != self.blocks_needed(self._lengths[seq_id]):
+                raise AssertionError(f"sequence {seq_id!r} holds {len(table)} blocks for {self._lengths[seq_id]} tokens")
+
+    def block_tables_tensor(self, seq_ids: list[str]) -> torch.Tensor:
+        """[B, max_blocks] padded with block 0 (padding is masked out by context length)."""
+        width = max(1, max(len(self._tables[s]) for s in seq_ids))
+        rows = [self._tables[s] + [0] * (width - len(self._tables[s])) for s in seq_ids]
+        return torch.tensor(rows, dtype=torch.long, device=self.k.device)

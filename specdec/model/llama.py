@@ -1,0 +1,98 @@
+"""A lean Llama-family forward pass over a paged KV cache.
+
+Hugging Face's modules are built for training and generality; per decode step they cost several
+milliseconds of Python on a CPU. This runtime keeps only what inference needs: fused QKV and
+gate/up matmuls, a precomputed rotary table, K/V written straight into cache blocks, and logits
+computed only for the positions the caller asks for.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kv_cache import PagedKVCache
+from specdec.model.attention import paged_attention, write_kv
+from specdec.model.batch import ForwardBatch
+from specdec.model.config import LlamaConfig
+from specdec.model.rope import RotaryTable
+from specdec.model.weights import ModelWeights, build_weights, read_safetensors
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 like the reference implementation, whatever the storage dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: LlamaConfig, weights: ModelWeights, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.weights = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.rotary = RotaryTable(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                  config.rope_scaling, self.device, dtype)
+        self.scale = config.head_dim ** -0.5
+        self._q_size = config.num_attention_heads * config.head_dim
+        self._kv_size = config.num_key_value_heads * config.head_dim
+
+    @staticmethod
+    def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> "LlamaModel":
+        torch_dtype = resolve_dtype(dtype)
+        if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
+            raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
+        config = LlamaConfig.from_dir(path)
+        weights = build_weights(config, read_safetensors(path), device, torch_dtype)
+        return LlamaModel(config, weights, device, torch_dtype)
+
+    @property
+    def num_parameters(self) -> int:
+        w = self.weights
+        total = w.embed.numel() + w.final_norm.numel()
+        if w.lm_head is not w.embed:
+            total += w.lm_head.numel()
+        for layer in w.layers:
+            total += sum(t.numel() for t in vars(layer).values() if t is not None)
+        return total
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                            c.head_dim, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run the new tokens of `batch` (already given slots in `cache`); return float32 logits
+        [M, vocab] for batch.logits_indices."""
+        c = self.config
+        x = self.weights.embed[batch.input_ids]
+        num_tokens = x.shape[0]
+        for index, layer in enumerate(self.weights.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = self.rotary.apply(q.view(num_tokens, c.num_attention_heads, c.head_dim), batch.positions)
+            k = self.rotary.apply(k.view(num_tokens, c.num_key_value_heads, c.head_dim), batch.positions)
+            v = v.view(num_tokens, c.num_key_value_heads, c.head_dim)
+            write_kv(cache.k[index], cache.v[index], k, v, batch.slots)
+            attn = paged_attention(q, cache.k[index], cache.v[index], batch, self.scale)
+            x = x + F.linear(attn.reshape(num_tokens, -1), layer.o_proj, layer.o_bias)
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        x = rms_norm(x[batch.logits_indices], self.weights.final_norm, c.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()

@@ -1,0 +1,158 @@
+"""Logits -> probabilities, batched over rows that each carry their own sampling parameters.
+
+Semantics and order follow Hugging Face's logits processors (repetition penalty, temperature,
+top-k, top-p), so a request decodes the same distribution here as with `model.generate`.
+Everything is vectorised over rows: a batch mixes greedy and sampled requests with different
+parameters, and a Python loop per row would dominate the step time on a GPU.
+
+The draft and the target both go through `probs_from_logits` with the same parameters and the
+same `presence` masks; that is what makes q and p comparable and the verification lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.params import SamplingParams
+
+# Temperatures this small are greedy in all but name; the floor only keeps logits / temperature
+# finite (an inf logit would turn the softmax into NaN).
+_MIN_TEMPERATURE = 1e-6
+
+
+@dataclass
+class BatchSamplingParams:
+    """Per-row sampling parameters as tensors (one row per position to be sampled)."""
+
+    temperature: torch.Tensor  # [N] float32; 0 = greedy
+    top_k: torch.Tensor  # [N] int64; 0 = disabled
+    top_p: torch.Tensor  # [N] float32; 1.0 = disabled
+    repetition_penalty: torch.Tensor  # [N] float32; 1.0 = disabled
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device="cpu") -> "BatchSamplingParams":
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            repetition_penalty=torch.tensor(
+                [p.repetition_penalty for p in params], dtype=torch.float32, device=device
+            ),
+        )
+
+    def repeat_interleave(self, counts: torch.Tensor | list[int]) -> "BatchSamplingParams":
+        """Row i repeated counts[i] times (a sequence verified at several positions)."""
+        counts = torch.as_tensor(counts, dtype=torch.int64, device=self.temperature.device)
+        return BatchSamplingParams(
+            temperature=self.temperature.repeat_interleave(counts),
+            top_k=self.top_k.repeat_interleave(counts),
+            top_p=self.top_p.repeat_interleave(counts),
+            repetition_penalty=self.repetition_penalty.repeat_interleave(counts),
+        )
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature == 0
+
+    def __len__(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+def presence_mask(token_lists: list[list[int]], vocab_size: int, device="cpu") -> torch.Tensor:
+    """[N, V] bool: True where the token occurs in row's token list (prompt + generated)."""
+    mask = torch.zeros(len(token_lists), vocab_size, dtype=torch.bool, device=device)
+    rows = [i for i, toks in enumerate(token_lists) for _ in toks]
+    cols = [t for toks in token_lists for t in toks]
+    if cols:
+        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+    return mask
+
+
+def presence_for_positions(
+    base: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+) -> torch.Tensor:
+    """[B, K+1, V] bool: position i sees `base` plus draft tokens 0..i-1 (only those < num_draft).
+
+    The draft penalised token i using the tokens it had proposed before it, so the target must
+    use exactly the same set at that position; otherwise p and q would be different functions
+    and the acceptance test would not be exact.
+    """
+    B, K = draft_tokens.shape
+    out = base.unsqueeze(1).repeat(1, K + 1, 1)
+    if K == 0:
+        return out
+    dev = base.device
+    j = torch.arange(K, device=dev)  # index of the draft token
+    i = torch.arange(K + 1, device=dev)  # position that sees it
+    # triple (b, i, j) is set when token j is a real draft token and precedes position i.
+    valid = (j[None, None, :] < i[None, :, None]) & (j[None, None, :] < num_draft.to(dev)[:, None, None])
+    b_idx, i_idx, j_idx = valid.nonzero(as_tuple=True)
+    out[b_idx, i_idx, draft_tokens[b_idx, j_idx]] = True
+    return out
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """HF RepetitionPenaltyLogitsProcessor: for present tokens, positive logits are divided by the
+    penalty and the others multiplied by it (so a penalty > 1 always makes them less likely)."""
+    pen = penalty.to(logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(presence, penalised, logits)
+
+
+def probs_from_logits(
+    logits: torch.Tensor, params: BatchSamplingParams, presence: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N, V] float32 probabilities after penalty, temperature, top-k, top-p (HF order).
+
+    Greedy rows (temperature 0) become an exact one-hot at the argmax of the penalised logits,
+    so greedy decoding is just a degenerate distribution to the rest of the pipeline.
+    """
+    logits = logits.float()
+    N, V = logits.shape
+    if presence is not None:
+        logits = apply_repetition_penalty(logits, presence, params.repetition_penalty.to(logits.device))
+
+    greedy = params.greedy.to(logits.device)
+    temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = logits / temp.to(logits.device).clamp_min(_MIN_TEMPERATURE)[:, None]
+
+    # One descending sort serves both filters.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+
+    # top-k: like HF, drop what is strictly below the k-th largest value (ties with it survive).
+    k = params.top_k.to(logits.device)
+    k = torch.where(k <= 0, torch.full_like(k, V), k.clamp(max=V))
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+    # top-p: keep the smallest prefix whose mass reaches top_p, i.e. a token survives when the
+    # mass strictly ahead of it is still below top_p. The first token always survives.
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    top_p = params.top_p.to(logits.device)[:, None]
+    drop = (mass_ahead >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+    probs = torch.softmax(filtered, dim=-1)
+
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sparsify_probs(probs: torch.Tensor, max_entries: int) -> torch.Tensor:
+    """Keep each row's `max_entries` largest probabilities and renormalise.
+
+    Used on the draft side so the proposal sent over the wire stays small. The draft then samples
+    from this sparsified q itself, so the q the target divides by is the one actually used and
+    the method stays exact (only the acceptance rate changes).
+    """
+    probs = probs.float()
+    if max_entries < probs.shape[-1]:
+        vals, idx = torch.topk(probs, k=max(1, max_entries), dim=-1)
+        probs = torch.zeros_like(probs).scatter_(1, idx, vals)
+    return probs / probs.sum(dim=-1, keepdim=True)

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC modules (see scripts/gen_protos.py)."""

@@ -1,0 +1,150 @@
+"""Verification of draft tokens against the target model, one batched K+1 pass per round.
+
+The target's cache holds every committed token except the last one. A round feeds
+[uncached committed tokens, t1..tk] (on the first round the whole prompt), scores all k+1
+positions at once, accepts/rejects with the request's own generator, and truncates the cache back
+to the committed tokens minus the new last one (whose K/V the next round computes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.model.llama import LlamaModel
+from specdec.model.runner import ModelRunner
+from specdec.params import SamplingParams
+from specdec.round_types import TargetInfo, VerifyOutcome, VerifyResult, VerifyTask
+from specdec.sampling import (BatchSamplingParams, draw_uniforms, make_generator, presence_for_positions,
+                              presence_mask, probs_from_logits, speculative_verify)
+
+# A different stream than the draft's for the same seed: the accept tests must be independent of
+# the draft's own sampling noise.
+_TARGET_SEED_SALT = 0x5EED
+
+
+@dataclass
+class _TargetSequence:
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int]
+
+
+def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+
+
+class TargetWorker:
+    def __init__(self, model: LlamaModel, num_blocks: int | None = None, block_size: int = 16,
+                 model_name: str = ""):
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.model_name = model_name
+        self._seqs: dict[str, _TargetSequence] = {}
+
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    def info(self) -> TargetInfo:
+        c = self.runner.model.config
+        return TargetInfo(vocab_size=c.vocab_size, max_seq_len=c.max_position_embeddings,
+                          eos_token_ids=list(c.eos_token_ids), kv_block_size=self.cache.block_size,
+                          kv_blocks_total=self.cache.allocator.num_blocks, model_name=self.model_name)
+
+    def release(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            if self._seqs.pop(req_id, None) is not None:
+                self.cache.free_sequence(req_id)
+
+    def _check(self, task: VerifyTask) -> None:
+        """Reject a malformed task before any state changes, so one bad task cannot corrupt a round."""
+        seq = self._seqs.get(task.req_id)
+        if seq is None and not task.new_tokens:
+            raise ValueError(f"request {task.req_id}: first round must carry the prompt")
+        if seq is not None and task.new_tokens:
+            raise ValueError(f"request {task.req_id}: only the first round may carry new tokens")
+        vocab = self.runner.vocab_size
+        bad = [t for t in task.new_tokens + task.draft_tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {task.req_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        length = (len(seq.tokens) if seq else 0) + len(task.new_tokens)
+        if length + len(task.draft_tokens) + 1 > self.runner.max_seq_len:
+            raise ValueError(f"request {task.req_id}: {length} tokens + {len(task.draft_tokens)} draft "
+                             f"tokens exceed the target's context of {self.runner.max_seq_len}")
+        if not task.params.greedy and task.draft_tokens and (
+                task.q is None or task.q.num_positions != len(task.draft_tokens)):
+            raise ValueError(f"request {task.req_id}: a sampled request needs q for each of its draft tokens")
+
+    def _admit(self, task: VerifyTask) -> _TargetSequence:
+        seq = self._seqs.get(task.req_id)
+        if seq is None:
+            seed = None if task.params.seed is None else task.params.seed ^ _TARGET_SEED_SALT
+            seq = _TargetSequence(params=task.params, generator=make_generator(seed), tokens=[])
+            self._seqs[task.req_id] = seq
+            self.cache.add_sequence(task.req_id)
+        seq.tokens.extend(task.new_tokens)
+        return seq
+
+    def verify(self, tasks: list[VerifyTask], finished: list[str]) -> VerifyResult:
+        self.release(finished)
+        if not tasks:
+            return self._result([])
+        for task in tasks:
+            self._check(task)
+        seqs = [self._admit(t) for t in tasks]
+        ids = [t.req_id for t in tasks]
+        cached = [self.cache.length(r) for r in ids]
+        feeds = [s.tokens[c:] + t.draft_tokens for s, c, t in zip(seqs, cached, tasks)]
+        num_draft = [len(t.draft_tokens) for t in tasks]
+        logits = self.runner.run(ids, feeds, [k + 1 for k in num_draft])
+        num_accepted, next_tokens = self._accept(tasks, seqs, logits, num_draft)
+        outcomes = []
+        for task, seq, cache_len, feed, a, nxt in zip(tasks, seqs, cached, feeds, num_accepted, next_tokens):
+            committed = task.draft_tokens[:a] + [nxt]
+            # Keep K/V of everything fed up to and including the last accepted draft token.
+            self.cache.truncate_to(task.req_id, cache_len + len(feed) - len(task.draft_tokens) + a)
+            seq.tokens.extend(committed)
+            outcomes.append(VerifyOutcome(req_id=task.req_id, num_accepted=a, tokens=committed))
+        return self._result(outcomes)
+
+    def _result(self, outcomes: list[VerifyOutcome]) -> VerifyResult:
+        alloc = self.cache.allocator
+        return VerifyResult(outcomes=outcomes, kv_blocks_used=alloc.num_used, kv_blocks_total=alloc.num_blocks)
+
+    def _accept(self, tasks: list[VerifyTask], seqs: list[_TargetSequence], logits: list[torch.Tensor],
+                num_draft: list[int]) -> tuple[list[int], list[int]]:
+        """Accept/reject every sequence's draft at once; returns (num_accepted, next_token) lists."""
+        params = [s.params for s in seqs]
+        k_max = max(num_draft)
+        vocab = self.runner.vocab_size
+        device = logits[0].device
+        padded = torch.stack([torch.nn.functional.pad(l, (0, 0, 0, k_max + 1 - l.shape[0])) for l in logits])
+        if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
+            # Pure greedy batch: argmax agreement is all that matters; skip the softmax work.
+            argmax = padded.argmax(dim=-1)
+            p = torch.nn.functional.one_hot(argmax, vocab).float()
+        else:
+            draft = pad_rows([t.draft_tokens for t in tasks], k_max)
+            presence = None
+            if any(x.repetition_penalty != 1.0 for x in params):
+                base = presence_mask([s.tokens for s in seqs], vocab, device)
+                presence = presence_for_positions(base, draft.to(device), torch.tensor(num_draft)).flatten(0, 1)
+            batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
+            p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
+        q = torch.zeros(len(seqs), k_max, vocab, device=device)
+        for row, task in enumerate(tasks):
+            if task.q is not None and task.draft_tokens:
+                q[row, :len(task.draft_tokens)] = task.q.to_dense(vocab).to(device)
+        # Each request draws exactly num_draft + 1 uniforms from its own generator, so a seeded
+        # request's randomness does not depend on what else shares the batch.
+        u_accept = torch.zeros(len(seqs), k_max)
+        u_resample = torch.zeros(len(seqs))
+        for row, (seq, k) in enumerate(zip(seqs, num_draft)):
+            if not seq.params.greedy:
+                u = draw_uniforms([seq.generator], k + 1)[0]
+                u_accept[row, :k] = u[:k]
+                u_resample[row] = u[k]
+        greedy = torch.tensor([x.greedy for x in params])
+        accepted, nxt = speculative_verify(p, q, pad_rows([t.draft_tokens for t in tasks], k_max).to(device),
+                                           torch.tensor(num_draft), greedy, u_accept, u_resample)
+        return accepted.tolist(), nxt.tolist()

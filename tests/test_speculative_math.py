@@ -1,0 +1,247 @@
+"""Speculative sampling: exactness (analytic and Monte-Carlo), greedy shortcut, guards, randomness."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from specdec.sampling import (
+    draw_uniforms,
+    make_generator,
+    sample_from_probs,
+    sparsify_probs,
+    speculative_step_distribution,
+    speculative_verify,
+)
+
+P_MIN = 1e-3  # chi-square p-value threshold; seeds are fixed so the tests are deterministic
+
+
+def dirichlet(shape, seed, alpha=1.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch._standard_gamma(torch.full(shape, alpha, dtype=dtype), generator=g)
+    return x / x.sum(-1, keepdim=True)
+
+
+def assert_counts_match(observed: np.ndarray, probs: np.ndarray):
+    """Chi-square goodness of fit; categories with zero expected mass must be empty."""
+    probs = probs / probs.sum()
+    assert observed.sum() >= 200, "too few samples for a meaningful test"
+    zero = probs == 0
+    assert observed[zero].sum() == 0, f"observed impossible outcomes: {observed}, {probs}"
+    stat = chisquare(observed[~zero], probs[~zero] * observed.sum())
+    assert stat.pvalue > P_MIN, (observed, probs * observed.sum(), stat)
+
+
+# ---------------------------------------------------------------- one step, exactly
+
+@pytest.mark.parametrize("case", ["random", "q_zeros", "q_one_hot", "q_equals_p", "p_zeros", "disjoint"])
+def test_step_distribution_equals_p(case):
+    V = 10
+    for seed in range(20):
+        p = dirichlet((V,), seed)
+        q = dirichlet((V,), 1000 + seed, alpha=0.3)
+        if case == "q_zeros":
+            q[torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:6]] = 0
+            q /= q.sum()
+        elif case == "q_one_hot":  # n-gram drafter: a single proposed token with q = 1
+            q = torch.zeros(V, dtype=torch.float64)
+            q[seed % V] = 1.0
+        elif case == "q_equals_p":
+            q = p.clone()
+        elif case == "p_zeros":
+            p[:4] = 0
+            p /= p.sum()
+        elif case == "disjoint":
+            p[5:] = 0
+            p /= p.sum()
+            q[:5] = 0
+            q /= q.sum()
+        torch.testing.assert_close(speculative_step_distribution(p, q), p, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- Monte-Carlo
+
+def run_sampled(p, q, B, seed, num_draft=None):
+    """B independent rounds of the same p [K+1,V] / q [K,V]; draft tokens drawn from q."""
+    K1, V = p.shape
+    K = K1 - 1
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.stack([torch.multinomial(q[i], B, replacement=True, generator=g) for i in range(K)], 1) if K else torch.zeros(B, 0, dtype=torch.long)
+    nd = torch.full((B,), K) if num_draft is None else num_draft
+    n_acc, nxt = speculative_verify(
+        p.expand(B, -1, -1), q.expand(B, -1, -1), draft, nd, torch.zeros(B, dtype=torch.bool),
+        torch.rand(B, K, generator=g), torch.rand(B, generator=g),
+    )
+    return draft, n_acc, nxt
+
+
+def output_token(draft, n_acc, nxt, pos):
+    """Committed token at position `pos` (valid where n_acc >= pos)."""
+    if draft.shape[1] == pos:
+        return nxt
+    return torch.where(n_acc > pos, draft[:, min(pos, draft.shape[1] - 1)], nxt)
+
+
+@pytest.mark.parametrize("q_kind", ["dense", "sparse", "one_hot"])
+def test_monte_carlo_outputs_follow_p(q_kind):
+    V, K, B = 6, 3, 20000
+    p = dirichlet((K + 1, V), seed=1).float()
+    p[0, 5] = 0  # a token the target forbids must never come out
+    p /= p.sum(-1, keepdim=True)
+    q = dirichlet((K, V), seed=2, alpha=0.7).float()
+    if q_kind == "sparse":
+        q = sparsify_probs(q, 2)
+    elif q_kind == "one_hot":
+        q = torch.nn.functional.one_hot(torch.tensor([4, 1, 2]), V).float()
+    draft, n_acc, nxt = run_sampled(p, q, B, seed=3)
+
+    first = output_token(draft, n_acc, nxt, 0)
+    assert_counts_match(np.bincount(first.numpy(), minlength=V), p[0].double().numpy())
+    # Given position 0 was accepted, the token at position 1 must follow p_1 (p does not depend
+    # on the prefix here, so this is the conditional as well as the marginal).
+    second = output_token(draft, n_acc, nxt, 1)[n_acc >= 1]
+    assert_counts_match(np.bincount(second.numpy(), minlength=V), p[1].double().numpy())
+
+    # Number accepted: P(n) = prod_{i<n} beta_i * (1 - beta_n), with all K accepted at the end.
+    beta = torch.minimum(p[:K], q).sum(-1).double()
+    expected = [float(beta[:n].prod() * (1 - beta[n])) for n in range(K)] + [float(beta.prod())]
+    assert_counts_match(np.bincount(n_acc.numpy(), minlength=K + 1), np.array(expected))
+
+
+def test_monte_carlo_one_step_accept_rate_and_bonus():
+    V, B = 6, 20000
+    p = dirichlet((2, V), seed=7).float()
+    q = dirichlet((1, V), seed=8).float()
+    draft, n_acc, nxt = run_sampled(p, q, B, seed=9)
+    beta = float(torch.minimum(p[0], q[0]).sum())
+    assert_counts_match(np.bincount(n_acc.numpy(), minlength=2), np.array([1 - beta, beta]))
+    # After an accepted draft token, the bonus token follows p_1.
+    assert_counts_match(np.bincount(nxt[n_acc == 1].numpy(), minlength=V), p[1].double().numpy())
+    # After a rejection, the correction follows the residual norm(max(0, p_0 - q_0)).
+    resid = (p[0] - q[0]).clamp_min(0).double().numpy()
+    assert_counts_match(np.bincount(nxt[n_acc == 0].numpy(), minlength=V), resid)
+
+
+def test_monte_carlo_k0_and_partial_num_draft():
+    V, K, B = 6, 3, 20000
+    p = dirichlet((K + 1, V), seed=12).float()
+    q = dirichlet((K, V), seed=13).float()
+    nd = torch.arange(B) % 2  # rows with 0 or 1 real draft tokens; the rest is padding
+    draft, n_acc, nxt = run_sampled(p, q, B, seed=14, num_draft=nd)
+    assert (n_acc <= nd).all()
+    first = output_token(draft, n_acc, nxt, 0)
+    assert_counts_match(np.bincount(first.numpy(), minlength=V), p[0].double().numpy())
+    # K = 0: the round is plain sampling from p_0.
+    _, n0, nxt0 = run_sampled(p[:1], q[:0], B, seed=15)
+    assert (n0 == 0).all()
+    assert_counts_match(np.bincount(nxt0.numpy(), minlength=V), p[0].double().numpy())
+
+
+# ---------------------------------------------------------------- greedy, padding, guards
+
+def one_hot(tokens, V):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
+
+
+def test_greedy_rows():
+    V, K = 8, 3
+    # Target argmaxes per row/position, and drafts that match for a prefix.
+    target = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 0], [1, 2, 3, 4]]
+    draft = torch.tensor([[1, 2, 3], [1, 7, 3], [0, 6, 7], [1, 2, -1]])
+    num_draft = torch.tensor([3, 3, 3, 2])
+    p = torch.stack([one_hot(t, V) for t in target])
+    q = torch.zeros(4, K, V)  # greedy requests carry no q
+    n_acc, nxt = speculative_verify(p, q, draft, num_draft, torch.ones(4, dtype=torch.bool), torch.rand(4, K), torch.rand(4))
+    assert n_acc.tolist() == [3, 1, 0, 2]  # all + bonus, first rejected at 1, at 0, padding ignored
+    assert nxt.tolist() == [4, 2, 5, 3]
+    n_acc, nxt = speculative_verify(p, q, draft, torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool), torch.rand(4, K), torch.rand(4))
+    assert n_acc.tolist() == [0] * 4 and nxt.tolist() == [1, 1, 5, 1]  # num_draft = 0: target's own token
+
+
+def test_mixed_greedy_and_sampled_rows_with_garbage_padding():
+    V, K = 6, 3
+    p = torch.full((3, K + 1, V), float("nan"))
+    q = torch.full((3, K, V), float("nan"))
+    # Row 0: greedy, one real draft token (matching); row 1: sampled, two tokens with p == q so
+    # both must be accepted; row 2: sampled, draft token impossible under p -> rejected.
+    p[0, :2] = one_hot([2, 4], V)
+    p[1, :3] = torch.tensor([[0.5, 0.5, 0, 0, 0, 0], [0, 0, 1.0, 0, 0, 0], [0, 0, 0, 0, 0, 1.0]])
+    q[1, :2] = p[1, :2]
+    p[2, :1] = torch.tensor([[0, 0.25, 0.25, 0.5, 0, 0]])
+    q[2, :1] = torch.tensor([[0, 0, 0, 0, 1.0, 0]])
+    draft = torch.tensor([[2, -1, 99], [1, 2, -7], [4, 10**6, -1]])
+    num_draft = torch.tensor([1, 2, 1])
+    greedy = torch.tensor([True, False, False])
+    n_acc, nxt = speculative_verify(p, q, draft, num_draft, greedy, torch.full((3, K), 0.999), torch.tensor([0.3, 0.3, 0.9]))
+    assert n_acc.tolist() == [1, 2, 0]
+    assert nxt.tolist() == [4, 5, 3]  # greedy bonus; sampled bonus from p_2; residual = p_0 here
+
+
+def test_residual_all_zero_guard_falls_back_to_p():
+    """p == q up to rounding: a rejection can leave max(0, p - q) == 0 everywhere. The correction
+    must then come from p, never from an arbitrary (possibly zero-probability) index."""
+    V, B = 6, 4000
+    q = torch.tensor([[0.0, 0.2, 0.3, 0.1, 0.4, 0.0]]).expand(B, 1, V)
+    p_row = torch.tensor([0.0, 0.2, 0.3, 0.1, 0.4, 0.0]) * 0.999  # slightly under q everywhere
+    p = torch.stack([p_row, p_row], 0).expand(B, 2, V)
+    g = torch.Generator().manual_seed(21)
+    draft = torch.multinomial(q[0, 0], B, replacement=True, generator=g)[:, None]
+    n_acc, nxt = speculative_verify(p, q, draft, torch.ones(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool),
+                                    torch.full((B, 1), 0.9999), torch.rand(B, generator=g))
+    assert (n_acc == 0).all()
+    counts = np.bincount(nxt.numpy(), minlength=V)
+    assert counts[0] == 0 and counts[5] == 0
+    assert_counts_match(counts, p_row.double().numpy())
+    p64 = torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64)
+    torch.testing.assert_close(speculative_step_distribution(p64, p64.clone()), p64)
+
+
+def test_accept_rule_exact_thresholds():
+    """Accept iff u < p(t)/q(t); always accept when p(t) >= q(t), even with u just below 1."""
+    p = torch.tensor([[[0.2, 0.8], [0.5, 0.5]]]).expand(4, 2, 2)
+    q = torch.tensor([[[0.4, 0.6]]]).expand(4, 1, 2)
+    draft = torch.tensor([[0], [0], [1], [1]])
+    u = torch.tensor([[0.49], [0.51], [0.9999999], [0.0]])
+    n_acc, _ = speculative_verify(p, q, draft, torch.ones(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool), u, torch.rand(4))
+    assert n_acc.tolist() == [1, 0, 1, 1]
+
+
+# ---------------------------------------------------------------- sample_from_probs
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-30, 1.0)), min_size=1, max_size=40).filter(lambda w: sum(w) > 0),
+    u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.floats(1 - 1e-6, 1.0, exclude_max=True), st.just(float(np.nextafter(np.float32(1), np.float32(0))))),
+    tail_zeros=st.integers(0, 5),
+)
+def test_sample_from_probs_never_picks_zero_probability(weights, u, tail_zeros):
+    probs = torch.tensor([weights + [0.0] * tail_zeros], dtype=torch.float32)
+    tok = int(sample_from_probs(probs, torch.tensor([u], dtype=torch.float32))[0])
+    assert probs[0, tok] > 0
+
+
+def test_sample_from_probs_distribution_and_edges():
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]])
+    B = 20000
+    u = torch.rand(B, generator=torch.Generator().manual_seed(31))
+    toks = sample_from_probs(probs.expand(B, -1), u)
+    assert toks.dtype == torch.int64
+    assert_counts_match(np.bincount(toks.numpy(), minlength=6), probs[0].double().numpy())
+    edge = sample_from_probs(probs.expand(3, -1) * 7, torch.tensor([0.0, 1 - 2**-24, 0.1 / 1.0]))
+    assert edge.tolist() == [1, 4, 3]  # unnormalised rows are fine; u -> 1 lands on the last nonzero
+
+
+# ---------------------------------------------------------------- per-request randomness
+
+def test_draw_uniforms_independent_of_batching():
+    solo = draw_uniforms([make_generator(123)], 5)
+    batch = draw_uniforms([make_generator(7), make_generator(123), make_generator(None)], 5)
+    assert batch.shape == (3, 5) and batch.dtype == torch.float32
+    assert torch.equal(solo[0], batch[1])
+    assert ((batch >= 0) & (batch < 1)).all()
+    assert not torch.equal(draw_uniforms([make_generator(None)], 8), draw_uniforms([make_generator(None)], 8))
+    assert draw_uniforms([], 4).shape == (0, 4)

@@ -188,6 +188,9 @@ def save_model(model, tok_fast, path: Path, save_dtype: str):
         kwargs["safe_serialization"] = True
     model.save_pretrained(str(path), **kwargs)
     tok_fast.save_pretrained(str(path))
+    # transformers 5 no longer writes this file; older versions read it.
+    (path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
     model.to(torch.float32)
     assert (path / "model.safetensors").exists(), "expected model.safetensors"
 
@@ -259,7 +262,7 @@ def train_timed(name, model, data, args, minutes, peak_lr, teacher=None, ce_w=1.
         opt.step()
         step += 1
         tokens += inp.numel()
-        v = float(ce)
+        v = ce.item()
         ema = v if ema is None else 0.98 * ema + 0.02 * v
         now = int(time.time() - t0)
         if now > last_shown:

@@ -1,0 +1,26 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Two cores: one intra-op thread per test process keeps timings stable and avoids oversubscription.
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=sorted(CONFIGS))
+def target_dir(request, tmp_path_factory) -> Path:
+    """A random target checkpoint for each config shape."""
+    return build_checkpoint(tmp_path_factory.mktemp(f"target-{request.param}"), seed=0, **CONFIGS[request.param])
+
+
+@pytest.fixture(scope="session")
+def gqa_target_dir(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("gqa-target"), seed=0, **CONFIGS["gqa_untied"])

@@ -1,0 +1,57 @@
+"""Greedy speculative output == the target's own greedy output (Hugging Face generate), token for
+token, for every drafter, on several model shapes."""
+import pytest
+
+from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy
+from specdec import LocalEngine, SamplingParams
+
+PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150], list(range(40, 72))]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def references(target_dir):
+    return [hf_greedy(target_dir, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def drafts(target_dir, tmp_path_factory):
+    name = target_dir.name.split("-", 1)[1].rstrip("0123456789")
+    shape = CONFIGS[name]
+    return {
+        "none": None,
+        "ngram": "ngram",
+        "self": str(target_dir),
+        # Same vocabulary, unrelated weights: almost every draft token is rejected.
+        "random": str(build_checkpoint(tmp_path_factory.mktemp("random-draft"), seed=7,
+                                       **{**shape, "num_hidden_layers": 1})),
+        # Close to the target: a mix of accepts and rejections.
+        "perturbed": str(perturbed_copy(target_dir, tmp_path_factory.mktemp("perturbed-draft"), noise=0.3)),
+    }
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "self", "random", "perturbed"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_matches_target(target_dir, references, drafts, drafter, k):
+    engine = LocalEngine(str(target_dir), draft=drafts[drafter], num_speculative_tokens=k, kv_block_size=8)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    for out, ref in zip(outputs, references):
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+        assert out.stats.target_forward_passes * out.stats.mean_accepted_length == pytest.approx(NEW_TOKENS)
+    if drafter == "self":
+        assert all(o.stats.acceptance_rate == 1.0 for o in outputs)
+        assert all(o.stats.mean_accepted_length > 1 for o in outputs)
+    if drafter == "none":
+        assert all(o.stats.acceptance_rate is None for o in outputs)
+        assert all(o.stats.target_forward_passes == NEW_TOKENS for o in outputs)
+    engine.target_worker.cache.check_accounting()
+    assert engine.target_worker.cache.allocator.num_used == 0
+
+
+def test_one_at_a_time_equals_batched(gqa_target_dir):
+    engine = LocalEngine(str(gqa_target_dir), draft=str(gqa_target_dir), num_speculative_tokens=3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    batched = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    alone = [engine.generate([p], params)[0].token_ids for p in PROMPTS]
+    assert batched == alone

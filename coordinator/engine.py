@@ -38,21 +38,32 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+def build_local_workers(target: str, draft: str | None = None, device: str = "cpu", dtype: str = "float32",
+                        kv_cache_blocks: int | None = None, kv_block_size: int = 16
+                        ) -> tuple[TargetWorker, DraftWorker | None]:
+    """In-process target and (optional) draft workers: shared by LocalEngine and the embedded server.
+
+    `draft` is None (no speculation), "ngram" or a checkpoint directory sharing the target's tokenizer.
+    """
+    target_model = LlamaModel.load(target, device, dtype)
+    target_worker = TargetWorker(target_model, kv_cache_blocks, kv_block_size, model_name=str(target))
+    if draft is None:
+        return target_worker, None
+    drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size) \
+        if draft != "ngram" else build_drafter(draft)
+    if draft != "ngram" and drafter.info().vocab_size != target_model.config.vocab_size:
+        raise ValueError(f"draft vocabulary ({drafter.info().vocab_size}) differs from the target's "
+                         f"({target_model.config.vocab_size}): they must share a tokenizer")
+    return target_worker, DraftWorker(drafter)
+
+
 class LocalEngine:
     def __init__(self, target: str, draft: str | None = None, num_speculative_tokens: int = 5,
                  device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32,
                  kv_cache_blocks: int | None = None, kv_block_size: int = 16):
-        target_model = LlamaModel.load(target, device, dtype)
         self.tokenizer = load_tokenizer(target)
-        self.target_worker = TargetWorker(target_model, kv_cache_blocks, kv_block_size, model_name=str(target))
-        self.draft_worker = None
-        if draft is not None:
-            drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size) \
-                if draft != "ngram" else build_drafter(draft)
-            if draft != "ngram" and drafter.info().vocab_size != target_model.config.vocab_size:
-                raise ValueError(f"draft vocabulary ({drafter.info().vocab_size}) differs from the target's "
-                                 f"({target_model.config.vocab_size}): they must share a tokenizer")
-            self.draft_worker = DraftWorker(drafter)
+        self.target_worker, self.draft_worker = build_local_workers(target, draft, device, dtype,
+                                                                    kv_cache_blocks, kv_block_size)
         self.scheduler = Scheduler(
             LocalTargetClient(self.target_worker),
             LocalDraftClient(self.draft_worker) if self.draft_worker else None,

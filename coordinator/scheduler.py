@@ -10,7 +10,7 @@ import time
 from collections import deque
 
 from coordinator.clients import DraftClient, TargetClient
-from coordinator.request import Request, RequestUpdate, RunningRequest
+from coordinator.request import Request, RequestStats, RequestUpdate, RunningRequest
 from coordinator.text_stream import TextStream
 from specdec.round_types import DraftProposal, DraftTask, VerifyTask
 
@@ -217,8 +217,8 @@ class Scheduler:
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now]:
             self.waiting.remove(req)
             updates.append(RequestUpdate(req_id=req.req_id, token_ids=[], text="", finished=True,
-                                         finish_reason="deadline", error="deadline exceeded before the request started",
-                                         error_kind="deadline"))
+                                         finish_reason="deadline", stats=RequestStats(prompt_tokens=len(req.prompt_ids)),
+                                         error="deadline exceeded before the request started", error_kind="deadline"))
         for run in [r for r in self.running.values() if r.request.deadline is not None and r.request.deadline <= now]:
             self._retire(run.request.req_id)
             updates.append(RequestUpdate(req_id=run.request.req_id, token_ids=[], text=run.stream.finish(),

@@ -1,0 +1,266 @@
+"""Service metrics on the Ray dashboard (ray.util.metrics -> Prometheus -> Grafana panels).
+
+`make_round_callback()` returns the `on_round(scheduler, updates, round_seconds)` callable that the
+public server's EngineLoop runs after every round. It records:
+
+- acceptance: draft tokens proposed / accepted (counters) and a windowed acceptance-rate gauge
+- throughput: generated tokens (counter) and a windowed tokens/s gauge
+- round latency by phase (histogram, tag `phase`): `draft` and `verify` as the coordinator sees
+  them (client side: worker compute + network + (de)serialization), `network` when the workers
+  report their own compute time (`<phase>_compute` keys in `scheduler.last_round_seconds`), and
+  `coordinator` = round time minus the two worker calls (scheduling, stop strings, streaming)
+- queue depth, running requests, KV blocks used / total / usage fraction (gauges)
+- finished requests by reason (counter, tag `reason`) and per-request acceptance (histogram)
+
+Without Ray (embedded server, unit tests) nothing is exported and the callback only keeps the
+cheap in-process totals of `snapshot()`. It never imports Ray itself and never raises into the
+round loop. Ray prefixes exported names with `ray_`, e.g. `ray_specdec_generated_tokens_total`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import deque
+
+log = logging.getLogger(__name__)
+
+LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+RATE_BOUNDARIES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+
+
+def ray_is_initialized() -> bool:
+    """True when this process is connected to Ray (without importing Ray if nothing has)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+class _RayInstruments:
+    """The ray.util.metrics objects; created once per process (the names are global)."""
+
+    def __init__(self, deployment: str):
+        from ray.util import metrics as m
+
+        tags = {"deployment": deployment}
+
+        def counter(name, desc, keys=()):
+            return m.Counter(name, desc, tag_keys=("deployment", *keys)).set_default_tags(tags)
+
+        def gauge(name, desc):
+            return m.Gauge(name, desc, tag_keys=("deployment",)).set_default_tags(tags)
+
+        def histogram(name, desc, bounds, keys=()):
+            return m.Histogram(name, desc, boundaries=bounds, tag_keys=("deployment", *keys)).set_default_tags(tags)
+
+        self.generated = counter("specdec_generated_tokens", "Tokens committed to requests")
+        self.proposed = counter("specdec_draft_tokens_proposed", "Draft tokens sent to the target for verification")
+        self.accepted = counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted")
+        self.rounds = counter("specdec_rounds", "Speculation rounds (one target forward pass each)")
+        self.finished = counter("specdec_requests_finished", "Finished requests by finish reason", ("reason",))
+        self.tokens_per_s = gauge("specdec_tokens_per_second", "Generated tokens per second (sliding window)")
+        self.acceptance = gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens (sliding window)")
+        self.queue_depth = gauge("specdec_queue_depth", "Requests waiting for admission")
+        self.running = gauge("specdec_running_requests", "Requests in the running batch")
+        self.kv_used = gauge("specdec_kv_blocks_used", "Target KV-cache blocks in use")
+        self.kv_total = gauge("specdec_kv_blocks_total", "Target KV-cache blocks in total")
+        self.kv_usage = gauge("specdec_kv_cache_usage", "Fraction of target KV-cache blocks in use")
+        self.round_seconds = histogram("specdec_round_seconds", "Round latency by phase (draft, verify, "
+                                       "network, coordinator, total)", LATENCY_BOUNDARIES_S, ("phase",))
+        self.request_acceptance = histogram("specdec_request_acceptance_rate",
+                                            "Acceptance rate of each finished request", RATE_BOUNDARIES)
+
+
+_INSTRUMENTS: dict[str, _RayInstruments] = {}
+_INSTRUMENTS_LOCK = threading.Lock()
+
+
+def _instruments(deployment: str) -> _RayInstruments:
+    with _INSTRUMENTS_LOCK:
+        if deployment not in _INSTRUMENTS:
+            _INSTRUMENTS[deployment] = _RayInstruments(deployment)
+        return _INSTRUMENTS[deployment]
+
+
+class _Window:
+    """Sums of (numerator, denominator) over the last `seconds`, for rate gauges."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._points: deque[tuple[float, float, float]] = deque()
+        self._start = time.monotonic()
+
+    def add(self, now: float, a: float, b: float = 0.0) -> None:
+        self._points.append((now, a, b))
+
+    def sums(self, now: float) -> tuple[float, float, float]:
+        """(sum a, sum b, seconds covered) over the window ending now."""
+        while self._points and self._points[0][0] < now - self.seconds:
+            self._points.popleft()
+        a = sum(p[1] for p in self._points)
+        b = sum(p[2] for p in self._points)
+        return a, b, max(min(self.seconds, now - self._start), 1e-9)
+
+
+class RoundMetrics:
+    """The round callback. Call it as `on_round(scheduler, updates, round_seconds)`."""
+
+    def __init__(self, deployment: str = "specdec", window_s: float = 10.0, refresh_s: float = 2.0,
+                 export: bool | None = None):
+        self.deployment = deployment
+        self._lock = threading.Lock()
+        self._tokens = _Window(window_s)
+        self._accept = _Window(window_s)
+        self._seen: dict[str, tuple[int, int]] = {}  # req_id -> (proposed, accepted) already counted
+        self._last_total_rounds = None
+        self._failed_once = False
+        self.totals = {"generated_tokens": 0, "proposed": 0, "accepted": 0, "rounds": 0, "finished": {},
+                       "round_seconds": {}, "queue_depth": 0, "running": 0, "kv_blocks_used": 0,
+                       "kv_blocks_total": 0}
+        export = ray_is_initialized() if export is None else export
+        self._ray = _instruments(deployment) if export else None
+        self._stop = threading.Event()
+        if self._ray is not None and refresh_s > 0:
+            # Rates decay to 0 while idle only if someone sets them: the loop does not call us then.
+            threading.Thread(target=self._refresh_loop, args=(refresh_s,), name="specdec-metrics",
+                             daemon=True).start()
+
+    @property
+    def exporting(self) -> bool:
+        return self._ray is not None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __call__(self, scheduler, updates, round_seconds: float | None = None) -> None:
+        try:
+            self._on_round(scheduler, updates, round_seconds)
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            if not self._failed_once:
+                self._failed_once = True
+                log.exception("recording round metrics failed (logged once)")
+
+    def _on_round(self, scheduler, updates, round_seconds: float | None) -> None:
+        now = time.monotonic()
+        generated = proposed = accepted = 0
+        finished: list[tuple[str, float | None]] = []
+        running = getattr(scheduler, "running", {})
+        for update in updates:
+            generated += len(update.token_ids)
+            stats = update.stats
+            if stats is None and update.req_id in running:
+                stats = running[update.req_id].stats
+            if stats is not None:
+                seen_p, seen_a = self._seen.get(update.req_id, (0, 0))
+                proposed += stats.proposed - seen_p
+                accepted += stats.accepted - seen_a
+                self._seen[update.req_id] = (stats.proposed, stats.accepted)
+            if update.finished:
+                self._seen.pop(update.req_id, None)
+                finished.append((update.finish_reason or "unknown",
+                                 stats.acceptance_rate if stats is not None else None))
+        for req_id in [r for r in self._seen if r not in running]:  # aborted without an update
+            del self._seen[req_id]
+
+        total_rounds = getattr(scheduler, "total_rounds", None)
+        if total_rounds is None or self._last_total_rounds is None:
+            rounds = 1 if updates else 0
+        else:
+            rounds = max(total_rounds - self._last_total_rounds, 0)
+        self._last_total_rounds = total_rounds
+        new_round = rounds > 0
+        phases = self._phases(scheduler, round_seconds) if new_round else {}
+
+        queue_depth = getattr(scheduler, "queue_depth", 0)
+        kv_used = getattr(scheduler, "kv_blocks_used", 0)
+        target_info = getattr(scheduler, "target_info", None)
+        kv_total = getattr(target_info, "kv_blocks_total", 0) if target_info is not None else 0
+
+        with self._lock:
+            t = self.totals
+            t["generated_tokens"] += generated
+            t["proposed"] += proposed
+            t["accepted"] += accepted
+            t["rounds"] += rounds
+            for reason, _ in finished:
+                t["finished"][reason] = t["finished"].get(reason, 0) + 1
+            for phase, seconds in phases.items():
+                t["round_seconds"][phase] = seconds
+            t["queue_depth"], t["running"] = queue_depth, len(running)
+            t["kv_blocks_used"], t["kv_blocks_total"] = kv_used, kv_total
+            self._tokens.add(now, generated)
+            self._accept.add(now, accepted, proposed)
+
+        r = self._ray
+        if r is None:
+            return
+        if generated:
+            r.generated.inc(generated)
+        if proposed:
+            r.proposed.inc(proposed)
+        if accepted:
+            r.accepted.inc(accepted)
+        if rounds > 0:
+            r.rounds.inc(rounds)
+        for reason, rate in finished:
+            r.finished.inc(1, tags={"reason": reason})
+            if rate is not None:
+                r.request_acceptance.observe(rate)
+        for phase, seconds in phases.items():
+            r.round_seconds.observe(seconds, tags={"phase": phase})
+        r.queue_depth.set(queue_depth)
+        r.running.set(len(running))
+        r.kv_used.set(kv_used)
+        r.kv_total.set(kv_total)
+        if kv_total:
+            r.kv_usage.set(kv_used / kv_total)
+        self._set_rates(now)
+
+    @staticmethod
+    def _phases(scheduler, round_seconds: float | None) -> dict[str, float]:
+        last = dict(getattr(scheduler, "last_round_seconds", None) or {})
+        draft, verify = float(last.get("draft", 0.0)), float(last.get("verify", 0.0))
+        phases = {"draft": draft, "verify": verify}
+        if "draft_compute" in last or "verify_compute" in last:
+            compute = float(last.get("draft_compute", 0.0)) + float(last.get("verify_compute", 0.0))
+            phases["network"] = max(draft + verify - compute, 0.0)
+        if round_seconds is not None:
+            phases["total"] = float(round_seconds)
+            phases["coordinator"] = max(float(round_seconds) - draft - verify, 0.0)
+        return phases
+
+    def _set_rates(self, now: float) -> None:
+        with self._lock:
+            tokens, _, span = self._tokens.sums(now)
+            accepted, proposed, _ = self._accept.sums(now)
+        self._ray.tokens_per_s.set(tokens / span)
+        if proposed:
+            self._ray.acceptance.set(accepted / proposed)
+
+    def _refresh_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self._set_rates(time.monotonic())
+            except Exception:  # noqa: BLE001
+                return
+
+    def snapshot(self) -> dict:
+        """In-process totals (also without Ray): counters, last round's phases, gauges, rates."""
+        now = time.monotonic()
+        with self._lock:
+            snap = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.totals.items()}
+            tokens, _, span = self._tokens.sums(now)
+            accepted, proposed, _ = self._accept.sums(now)
+        snap["tokens_per_second"] = tokens / span
+        snap["acceptance_rate"] = (snap["accepted"] / snap["proposed"]) if snap["proposed"] else None
+        snap["window_acceptance_rate"] = accepted / proposed if proposed else None
+        snap["exporting"] = self.exporting
+        return snap
+
+
+def make_round_callback(deployment: str = "specdec", window_s: float = 10.0) -> RoundMetrics:
+    """The `on_round(scheduler, updates, round_seconds)` callback for the server's EngineLoop.
+
+    Exports to Ray when this process is connected to Ray; otherwise only keeps `snapshot()`.
+    """
+    return RoundMetrics(deployment=deployment, window_s=window_s)

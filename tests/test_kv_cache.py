@@ -1,0 +1,511 @@
+"""Paged KV cache: allocator, slot math, rollback, exact block accounting under churn."""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.request import Request
+from specdec import LocalEngine, SamplingParams
+from specdec.kv_cache import BlockAllocator, KVCacheFull, PagedKVCache
+from specdec.model.llama import LlamaModel
+from specdec.model.runner import ModelRunner
+from specdec.round_types import SparseDist, VerifyTask
+from target_worker.worker import TargetWorker
+
+VOCAB = 96
+
+
+def _tiny_config(**overrides) -> transformers.LlamaConfig:
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              initializer_range=0.2)
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+def _save(model, path, eos=None):
+    model.save_pretrained(path)
+    cfg_path = path / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["eos_token_id"] = eos
+    cfg_path.write_text(json.dumps(raw))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(target_dir, draft_dir): the draft is the target with slightly perturbed weights, so a
+    run sees a real mix of accepted and rejected draft tokens (greedy and sampled)."""
+    torch.manual_seed(1234)
+    target = transformers.LlamaForCausalLM(_tiny_config())
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    target_dir = _save(target, tmp_path_factory.mktemp("kv_target"))
+    draft_dir = _save(draft, tmp_path_factory.mktemp("kv_draft"))
+    return target_dir, draft_dir
+
+
+# ---------------------------------------------------------------- BlockAllocator
+
+def test_allocator_hands_out_low_ids_first_and_counts():
+    a = BlockAllocator(5)
+    assert (a.num_free, a.num_used) == (5, 0)
+    assert a.allocate(2) == [0, 1]
+    assert a.allocate(0) == []
+    assert (a.num_free, a.num_used) == (3, 2)
+    assert a.allocate(3) == [2, 3, 4]
+    assert a.num_free == 0
+
+
+def test_allocator_full_raises_and_changes_nothing():
+    a = BlockAllocator(3)
+    a.allocate(2)
+    with pytest.raises(KVCacheFull, match="need 2 KV blocks, only 1 free"):
+        a.allocate(2)
+    assert a.num_free == 1
+    assert a.allocate(1) == [2]
+
+
+def test_allocator_free_reuses_blocks():
+    a = BlockAllocator(4)
+    blocks = a.allocate(4)
+    a.free([blocks[1], blocks[3]])
+    assert a.num_free == 2
+    assert sorted(a.allocate(2)) == [1, 3]
+
+
+def test_allocator_double_free_raises():
+    a = BlockAllocator(3)
+    b = a.allocate(2)
+    a.free(b[:1])
+    with pytest.raises(AssertionError, match="freed twice"):
+        a.free(b[:1])
+    with pytest.raises(AssertionError, match="freed twice"):
+        a.free([2])  # never allocated
+
+
+def test_allocator_needs_a_block():
+    with pytest.raises(ValueError):
+        BlockAllocator(0)
+
+
+# ---------------------------------------------------------------- PagedKVCache slot math
+
+def _cache(num_blocks=8, block_size=4) -> PagedKVCache:
+    return PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=1, head_dim=2)
+
+
+def test_append_slots_math_and_block_growth():
+    c = _cache()
+    c.add_sequence("a")
+    assert c.append_slots("a", 3).tolist() == [0, 1, 2]
+    assert c.block_table("a") == [0]
+    c.add_sequence("b")
+    assert c.append_slots("b", 2).tolist() == [4, 5]  # block 1
+    # a grows across a block boundary: rest of block 0, then a new block (2)
+    assert c.append_slots("a", 3).tolist() == [3, 8, 9]
+    assert c.block_table("a") == [0, 2]
+    assert c.length("a") == 6 and c.length("b") == 2
+    assert c.append_slots("a", 0).tolist() == []
+    c.check_accounting()
+
+
+def test_truncate_frees_trailing_blocks_and_keeps_partial_block():
+    c = _cache()
+    c.add_sequence("a")
+    c.append_slots("a", 10)  # blocks 0, 1, 2
+    c.truncate_to("a", 9)
+    assert c.block_table("a") == [0, 1, 2] and c.allocator.num_used == 3
+    c.truncate_to("a", 8)
+    assert c.block_table("a") == [0, 1] and c.allocator.num_used == 2
+    c.truncate_to("a", 5)
+    assert c.block_table("a") == [0, 1]
+    c.truncate_to("a", 4)
+    assert c.block_table("a") == [0]
+    # re-growing overwrites the freed slots (positions 4.. go to a fresh block)
+    slots = c.append_slots("a", 2).tolist()
+    assert c.length("a") == 6 and len(c.block_table("a")) == 2
+    assert slots == [c.block_table("a")[1] * 4 + 0, c.block_table("a")[1] * 4 + 1]
+    c.truncate_to("a", 0)
+    assert c.block_table("a") == [] and c.allocator.num_used == 0
+    c.check_accounting()
+
+
+def test_truncate_out_of_range_raises():
+    c = _cache()
+    c.add_sequence("a")
+    c.append_slots("a", 3)
+    with pytest.raises(ValueError):
+        c.truncate_to("a", 4)
+    with pytest.raises(ValueError):
+        c.truncate_to("a", -1)
+    assert c.length("a") == 3
+
+
+def test_free_sequence_returns_blocks_for_reuse():
+    c = _cache(num_blocks=4)
+    c.add_sequence("a")
+    c.append_slots("a", 8)
+    c.add_sequence("b")
+    c.append_slots("b", 8)
+    assert c.allocator.num_free == 0
+    with pytest.raises(KVCacheFull):
+        c.append_slots("b", 1)
+    a_blocks = list(c.block_table("a"))
+    c.free_sequence("a")
+    assert not c.has_sequence("a")
+    c.free_sequence("a")  # unknown id: no-op
+    c.add_sequence("c")
+    c.append_slots("c", 5)
+    assert sorted(c.block_table("c")) == sorted(a_blocks)
+    c.check_accounting()
+    c.free_sequence("b")
+    c.free_sequence("c")
+    assert c.allocator.num_used == 0
+    c.check_accounting()
+
+
+def test_append_when_full_leaves_sequence_unchanged():
+    c = _cache(num_blocks=2)
+    c.add_sequence("a")
+    c.append_slots("a", 6)
+    with pytest.raises(KVCacheFull):
+        c.append_slots("a", 3)
+    assert c.length("a") == 6 and c.block_table("a") == [0, 1]
+    c.check_accounting()
+
+
+def test_add_sequence_twice_raises():
+    c = _cache()
+    c.add_sequence("a")
+    with pytest.raises(ValueError, match="already"):
+        c.add_sequence("a")
+
+
+def test_block_tables_tensor_pads_with_zero():
+    c = _cache()
+    for s, n in (("a", 9), ("b", 1), ("e", 0)):
+        c.add_sequence(s)
+        c.append_slots(s, n)
+    t = c.block_tables_tensor(["a", "b", "e"])
+    assert t.tolist() == [[0, 1, 2], [3, 0, 0], [0, 0, 0]]
+
+
+def test_check_accounting_detects_corruption():
+    c = _cache()
+    c.add_sequence("a")
+    c.append_slots("a", 5)
+    c.add_sequence("b")
+    c.append_slots("b", 1)
+    c.check_accounting()
+    # a block owned by two sequences
+    bad = copy.deepcopy(c)
+    bad._tables["b"].append(bad._tables["a"][0])
+    with pytest.raises(AssertionError):
+        bad.check_accounting()
+    # a leaked block: owned by nobody, not free
+    bad = copy.deepcopy(c)
+    bad._tables["a"].pop()
+    with pytest.raises(AssertionError):
+        bad.check_accounting()
+    # a block both owned and free
+    bad = copy.deepcopy(c)
+    bad.allocator._free.append(bad._tables["a"][0])
+    with pytest.raises(AssertionError):
+        bad.check_accounting()
+    # table size disagrees with length
+    bad = copy.deepcopy(c)
+    bad._lengths["a"] = 9
+    with pytest.raises(AssertionError):
+        bad.check_accounting()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "append", "truncate", "free"]),
+                          st.integers(0, 3), st.integers(0, 9)), max_size=40))
+def test_random_cache_operations_keep_accounting(ops):
+    """Against a plain model of lengths: accounting holds and live slots never collide."""
+    c = _cache(num_blocks=10, block_size=3)
+    lengths: dict[str, int] = {}
+    slots: dict[str, list[int]] = {}
+    for op, which, n in ops:
+        sid = f"s{which}"
+        if op == "add":
+            if sid in lengths:
+                continue
+            c.add_sequence(sid)
+            lengths[sid], slots[sid] = 0, []
+        elif op == "append" and sid in lengths:
+            try:
+                new = c.append_slots(sid, n).tolist()
+            except KVCacheFull:
+                assert c.blocks_needed(lengths[sid] + n) - len(c.block_table(sid)) > c.allocator.num_free
+                continue
+            lengths[sid] += n
+            slots[sid] += new
+        elif op == "truncate" and sid in lengths:
+            keep = min(n, lengths[sid])
+            c.truncate_to(sid, keep)
+            lengths[sid] = keep
+            del slots[sid][keep:]
+        elif op == "free" and sid in lengths:
+            c.free_sequence(sid)
+            del lengths[sid], slots[sid]
+        c.check_accounting()
+        for s, length in lengths.items():
+            assert c.length(s) == length
+            table = c.block_table(s)
+            assert slots[s] == [table[i // 3] * 3 + i % 3 for i in range(length)]
+        live = [x for v in slots.values() for x in v]
+        assert len(live) == len(set(live))
+    for s in list(lengths):
+        c.free_sequence(s)
+    assert c.allocator.num_used == 0
+    c.check_accounting()
+
+
+# ---------------------------------------------------------------- a failed pass changes nothing
+
+def _snapshot(cache: PagedKVCache):
+    return ({s: list(cache.block_table(s)) for s in cache.sequence_ids()},
+            {s: cache.length(s) for s in cache.sequence_ids()},
+            sorted(cache.allocator._free))
+
+
+def test_failed_pass_leaves_cache_unchanged(checkpoints):
+    target_dir, _ = checkpoints
+    model = LlamaModel.load(target_dir)
+    runner = ModelRunner(model, num_blocks=3, block_size=4)
+    cache = runner.cache
+    prompt = [5, 17, 42, 8, 3, 77, 21, 60]
+    cache.add_sequence("a")
+    runner.run(["a"], [prompt], [1])  # 8 tokens: 2 full blocks, 1 free
+    cache.add_sequence("b")
+
+    before = _snapshot(cache)
+    with pytest.raises(KVCacheFull):
+        runner.run(["b"], [[1, 2, 3, 4, 5]], [1])  # needs 2 blocks
+    assert _snapshot(cache) == before
+    # a takes the last free block, then b fails: a's growth must be rolled back too
+    with pytest.raises(KVCacheFull):
+        runner.run(["a", "b"], [[9], [1, 2]], [1, 1])
+    assert _snapshot(cache) == before
+    cache.check_accounting()
+    # a pass that fails inside the model (token id outside the vocabulary) after slots were given
+    with pytest.raises(Exception):
+        runner.run(["a"], [[VOCAB + 7]], [1])
+    assert _snapshot(cache) == before
+    passes = runner.forward_passes
+
+    # The surviving sequence still decodes exactly as on a fresh cache.
+    logits = runner.run(["a"], [[9, 10]], [2])[0]
+    fresh = ModelRunner(model, num_blocks=3, block_size=4)
+    fresh.cache.add_sequence("a")
+    expected = fresh.run(["a"], [prompt + [9, 10]], [2])[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert runner.forward_passes == passes + 1
+    cache.check_accounting()
+
+
+def test_target_rejects_malformed_task_without_state_change(checkpoints):
+    target_dir, _ = checkpoints
+    worker = TargetWorker(LlamaModel.load(target_dir), num_blocks=16, block_size=4)
+    greedy = SamplingParams(max_new_tokens=10)
+    worker.verify([VerifyTask("a", [1, 2, 3], [], None, greedy)], [])
+    before = _snapshot(worker.cache)
+    bad_tasks = [
+        VerifyTask("a", [], [VOCAB], None, greedy),  # draft token outside the vocabulary
+        VerifyTask("a", [4], [], None, greedy),  # new tokens after the first round
+        VerifyTask("z", [], [1], None, greedy),  # first round without a prompt
+        VerifyTask("a", [], list(range(130)), None, greedy),  # beyond the context
+        VerifyTask("a", [], [1, 2], None, SamplingParams(temperature=1.0)),  # sampled without q
+    ]
+    for bad in bad_tasks:
+        with pytest.raises(ValueError):
+            # the good task comes first in the batch: it must not be admitted either
+            worker.verify([VerifyTask("fresh", [7, 8], [], None, greedy), bad], [])
+        assert _snapshot(worker.cache) == before
+        assert "fresh" not in worker._seqs
+    worker.release(["a"])
+    assert worker.cache.allocator.num_used == 0
+
+
+# ---------------------------------------------------------------- random verify rounds, directly
+
+def _random_q(rng: random.Random, tokens: list[int], vocab: int) -> SparseDist:
+    """A random sparse q per position that gives the drafted token positive mass."""
+    rows = []
+    for t in tokens:
+        row = torch.zeros(vocab)
+        others = rng.sample(range(vocab), rng.randrange(0, 4))
+        for o in others:
+            row[o] = rng.random()
+        row[t] = rng.random() + 0.05
+        rows.append(row / row.sum())
+    return SparseDist.from_dense(torch.stack(rows))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_target_verify_with_random_drafts_keeps_accounting(checkpoints, seed):
+    target_dir, _ = checkpoints
+    rng = random.Random(seed)
+    worker = TargetWorker(LlamaModel.load(target_dir), num_blocks=60, block_size=4)
+    cache = worker.cache
+    max_len = worker.runner.max_seq_len
+    committed: dict[str, list[int]] = {}
+    started: set[str] = set()
+    params: dict[str, SamplingParams] = {}
+    budget: dict[str, int] = {}
+    next_id = 0
+    accepted_any = rejected_any = False
+    for _ in range(40):
+        if len(committed) < 4 and rng.random() < 0.6:
+            rid = f"r{next_id}"
+            next_id += 1
+            committed[rid] = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
+            budget[rid] = rng.randrange(1, 30)
+            params[rid] = rng.choice([SamplingParams(), SamplingParams(temperature=1.0, seed=seed + next_id),
+                                      SamplingParams(temperature=0.7, top_k=5, seed=next_id)])
+        finished = []
+        for rid in list(committed):
+            if rng.random() < 0.1:  # cancelled mid-generation (or before it started)
+                finished.append(rid)
+                del committed[rid]
+        tasks = []
+        for rid, toks in committed.items():
+            k = max(0, min(rng.randrange(0, 6), budget[rid] - 1, max_len - len(toks) - 1))
+            draft = [rng.randrange(VOCAB) for _ in range(k)]
+            if draft and rng.random() < 0.5:
+                # give greedy requests a fighting chance: sometimes draft what the target would pick
+                draft[0] = toks[-1]
+            q = _random_q(rng, draft, VOCAB) if draft and not params[rid].greedy else None
+            tasks.append(VerifyTask(rid, [] if rid in started else list(toks), draft, q, params[rid]))
+        result = worker.verify(tasks, finished)
+        cache.check_accounting()
+        assert result.kv_blocks_used == cache.allocator.num_used
+        assert [o.req_id for o in result.outcomes] == [t.req_id for t in tasks]
+        for task, out in zip(tasks, result.outcomes):
+            assert 0 <= out.num_accepted <= len(task.draft_tokens)
+            assert len(out.tokens) == out.num_accepted + 1  # never zero tokens
+            assert out.tokens[:out.num_accepted] == task.draft_tokens[:out.num_accepted]
+            accepted_any |= out.num_accepted > 0
+            rejected_any |= out.num_accepted < len(task.draft_tokens)
+            started.add(task.req_id)
+            committed[task.req_id].extend(out.tokens)
+            budget[task.req_id] -= len(out.tokens)
+            # the target caches every committed token except the last
+            assert cache.length(task.req_id) == len(committed[task.req_id]) - 1
+        for rid in [r for r in committed if budget[r] <= 0]:  # finished by length
+            del committed[rid]
+            worker.release([rid])
+            cache.check_accounting()
+        assert set(cache.sequence_ids()) <= set(committed) | set(finished) | started
+    worker.verify([], list(committed))
+    cache.check_accounting()
+    assert accepted_any and rejected_any
+    assert cache.allocator.num_used == 0 and cache.sequence_ids() == []
+    assert worker._seqs == {}
+
+
+# ---------------------------------------------------------------- churn through the scheduler
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
+    """Random arrivals, aborts, deadlines, greedy and sampled requests, per-request K, a small
+    cache: after every round both caches account for every block exactly, and at the end every
+    block is free. Greedy requests that ran to completion still match target-only decoding."""
+    target_dir, draft_dir = checkpoints
+    rng = random.Random(seed)
+    engine = LocalEngine(target_dir, draft=draft_dir, num_speculative_tokens=4, max_batch_size=4,
+                         kv_cache_blocks=24, kv_block_size=4)
+    sched = engine.scheduler
+    tcache = engine.target_worker.cache
+    dcache = engine.draft_worker.drafter.runner.cache
+    requests: dict[str, Request] = {}
+    generated: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    n_added = 0
+    proposed = accepted = max_batch = max_waiting = 0
+    for step in range(80):
+        if n_added < 16 and rng.random() < 0.3:
+            rid = f"c{n_added}"
+            n_added += 1
+            sampled = rng.random() < 0.4
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 25),
+                                    temperature=rng.choice([0.7, 1.0]) if sampled else 0.0,
+                                    top_k=rng.choice([0, 8]), seed=rng.randrange(1000), ignore_eos=True)
+            req = Request(rid, [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))], params,
+                          num_speculative_tokens=rng.choice([None, None, 0, 1, 6]))
+            sched.add_request(req)
+            requests[rid], generated[rid] = req, []
+        live = [r for r in requests if r not in reasons]
+        if live and rng.random() < 0.12:
+            rid = rng.choice(live)
+            if sched.abort(rid):
+                reasons[rid] = "cancelled"
+        elif live and rng.random() < 0.05:
+            requests[rng.choice(live)].deadline = time.monotonic() - 1.0
+        before = {rid: len(run.generated) for rid, run in sched.running.items()}
+        updates = sched.step()
+        max_batch = max(max_batch, len(sched.running))
+        max_waiting = max(max_waiting, len(sched.waiting))
+        tcache.check_accounting()
+        dcache.check_accounting()
+        for u in updates:
+            assert u.req_id not in reasons, "update for a request that already finished"
+            generated[u.req_id].extend(u.token_ids)
+            if u.finish_reason not in ("deadline",):
+                assert u.token_ids, "a round committed zero tokens"
+            assert u.finish_reason != "error", u.error
+            if u.finished:
+                reasons[u.req_id] = u.finish_reason
+                proposed += u.stats.proposed
+                accepted += u.stats.accepted
+        for rid, n in before.items():
+            if rid in sched.running:
+                assert len(sched.running[rid].generated) > n
+        for rid, run in sched.running.items():
+            if run.started_target:
+                assert tcache.length(rid) == len(run.request.prompt_ids) + len(run.generated) - 1
+        # only live requests (or ones whose release is still pending) hold cache blocks
+        pending = set(sched._release_target) | set(sched._release_draft)
+        assert set(tcache.sequence_ids()) <= set(sched.running) | pending
+        assert set(dcache.sequence_ids()) <= set(sched.running) | pending
+    for rid in [r for r in requests if r not in reasons]:
+        sched.abort(rid)
+        reasons[rid] = "cancelled"
+    while sched.has_work():
+        sched.step()
+    tcache.check_accounting()
+    dcache.check_accounting()
+    assert tcache.allocator.num_used == 0 and dcache.allocator.num_used == 0
+    assert tcache.sequence_ids() == [] and dcache.sequence_ids() == []
+    assert engine.target_worker._seqs == {} and engine.draft_worker.drafter._seqs == {}
+    assert "cancelled" in reasons.values() and "length" in reasons.values()
+    print("STATS", seed, sorted(reasons.values()), proposed, accepted, sched.total_rounds, max_batch, max_waiting)
+    assert 0 < accepted < proposed  # a genuine mix of accepts and rejections
+
+    for rid, reason in reasons.items():
+        if reason == "length":
+            assert len(generated[rid]) == requests[rid].params.max_new_tokens
+    # greedy requests that completed are exactly target-only greedy decoding
+    done = [rid for rid, why in reasons.items() if why == "length" and requests[rid].params.greedy]
+    assert done
+    reference = LocalEngine(target_dir, kv_cache_blocks=200, kv_block_size=4)
+    outs = reference.generate([requests[r].prompt_ids for r in done], [requests[r].params for r in done])
+    for rid, out in zip(done, outs):
+        assert generated[rid] == out.token_ids, rid
+    # the engine is still usable after the churn
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert len(out[0].token_ids) == 5
+    assert tcache.allocator.num_used == 0 and dcache.allocator.num_used == 0

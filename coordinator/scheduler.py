@@ -37,6 +37,8 @@ class Scheduler:
         self._release_draft: list[str] = []
         self._release_target: list[str] = []
         self._reserved_blocks: dict[str, int] = {}
+        # After a failed release (worker down) wait before retrying, instead of spinning on it.
+        self._release_retry_at = 0.0
         self.kv_blocks_used = 0
         self.total_rounds = 0
         self.last_round_seconds = {"draft": 0.0, "verify": 0.0}
@@ -45,6 +47,8 @@ class Scheduler:
     def validate(self, request: Request) -> None:
         """Raise ValueError with a message a user can act on."""
         request.params.validate()
+        if request.params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use max_new_tokens or EOS")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.target_info.vocab_size
@@ -80,7 +84,8 @@ class Scheduler:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._release_target or self._release_draft)
+        releases_due = (self._release_target or self._release_draft) and time.monotonic() >= self._release_retry_at
+        return bool(self.waiting or self.running or releases_due)
 
     @property
     def queue_depth(self) -> int:
@@ -149,7 +154,13 @@ class Scheduler:
                     q=proposal.q if proposal else None,
                     params=run.request.params))
             finished, self._release_target = self._release_target, []
-            result = self.target.verify(tasks, finished)
+            try:
+                result = self.target.verify(tasks, finished)
+            except Exception:
+                # The releases may not have reached the worker: send them again next round
+                # (workers ignore ids they do not know, e.g. after a restart).
+                self._release_target = finished + self._release_target
+                raise
             self.last_round_seconds["verify"] = time.perf_counter() - t0
         except Exception as exc:  # a worker failed: end this round's requests, keep serving
             return updates + self._fail_all(runs, exc)
@@ -181,7 +192,11 @@ class Scheduler:
         if self.draft is None or not (tasks or finished):
             self.last_round_seconds["draft"] = 0.0
             return {}
-        proposals = self.draft.propose(tasks, finished)
+        try:
+            proposals = self.draft.propose(tasks, finished)
+        except Exception:
+            self._release_draft = finished + self._release_draft
+            raise
         self.last_round_seconds["draft"] = time.perf_counter() - t0
         return {p.req_id: p for p in proposals}
 
@@ -241,12 +256,17 @@ class Scheduler:
 
     def _flush_releases(self) -> None:
         """Free the cache of retired requests even when nothing else is running."""
-        try:
-            if self._release_draft and self.draft is not None:
-                finished, self._release_draft = self._release_draft, []
+        if self._release_draft and self.draft is not None:
+            finished, self._release_draft = self._release_draft, []
+            try:
                 self.draft.propose([], finished)
-            if self._release_target:
-                finished, self._release_target = self._release_target, []
+            except Exception:
+                self._release_draft = finished + self._release_draft
+                self._release_retry_at = time.monotonic() + 1.0
+        if self._release_target:
+            finished, self._release_target = self._release_target, []
+            try:
                 self.kv_blocks_used = self.target.verify([], finished).kv_blocks_used
-        except Exception:
-            pass  # a dead worker has no cache left to free; it restarts empty
+            except Exception:
+                self._release_target = finished + self._release_target
+                self._release_retry_at = time.monotonic() + 1.0

@@ -369,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--max-steps", type=int, default=0, help="debug: cap steps per model")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--draft-only", action="store_true", help="keep <out>/target, retrain the draft")
+    ap.add_argument("--resume-target", action="store_true",
+                    help="continue training <out>/target for --minutes-target more minutes, then retrain the draft")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
@@ -391,7 +393,7 @@ def main(argv=None):
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
-    if args.draft_only:
+    if args.draft_only or args.resume_target:
         tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
     else:
         t0 = time.time()
@@ -417,11 +419,23 @@ def main(argv=None):
     vocab = tok.get_vocab_size()
     report = {}
     # ---------------- target ----------------
+    old = json.loads((out / "train_report.json").read_text()) if (out / "train_report.json").exists() else {}
     if args.draft_only:
         target = LlamaForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
         target.eval()
-        old = json.loads((out / "train_report.json").read_text()) if (out / "train_report.json").exists() else {}
         report["target_train"] = old.get("target_train")
+        report["commands"] = old.get("commands", [old.get("command")])
+    elif args.resume_target:
+        torch.manual_seed(args.seed)
+        target = LlamaForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
+        print(f"target (resumed): {n_params(target):,} params", flush=True)
+        more = train_timed("target", target, train_data, args, args.minutes_target, args.lr_target, rng=rng)
+        prev = old.get("target_train") or {}
+        report["target_train"] = {k: round(prev.get(k, 0) + more[k], 1) for k in more}
+        report["commands"] = old.get("commands", [old.get("command")])
+        save_model(target, tok_fast, out / "target", args.save_dtype)
+        target = LlamaForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
+        target.eval()
     else:
         torch.manual_seed(args.seed)
         target = make_model(make_config(TARGET_SHAPE, vocab, bos_id, eos_id, args.max_pos))
@@ -455,6 +469,7 @@ def main(argv=None):
     size_mb = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
     report.update(
         python=sys.version.split()[0], stdlib=str(root), command="python " + " ".join(sys.argv),
+        commands=[c for c in report.get("commands", []) if c] + ["python " + " ".join(sys.argv)],
         train_files=len(train_docs), heldout_files=len(held_docs),
         train_tokens=int(len(train_data)), heldout_tokens=int(len(held_data)), vocab_size=vocab,
         target_shape=TARGET_SHAPE, draft_shape=DRAFT_SHAPE, target_params=pt, draft_params=pd,

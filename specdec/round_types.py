@@ -30,7 +30,7 @@ class SparseDist:
         return int(self.token_ids.shape[0])
 
     def to_dense(self, vocab_size: int) -> torch.Tensor:
-        dense = torch.zeros(self.num_positions, vocab_size, dtype=torch.float32)
+        dense = torch.zeros(self.num_positions, vocab_size, dtype=torch.float32, device=self.token_ids.device)
         dense.scatter_add_(1, self.token_ids.long(), self.probs.float())
         return dense
 

@@ -43,6 +43,8 @@ GRPC_SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Fail loudly on a port already in use instead of silently sharing it with another server.
+    ("grpc.so_reuseport", 0),
 )
 
 

@@ -435,7 +435,7 @@ def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
     generated: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     n_added = 0
-    proposed = accepted = max_batch = max_waiting = 0
+    proposed = accepted = max_batch = 0
     for step in range(80):
         if n_added < 16 and rng.random() < 0.3:
             rid = f"c{n_added}"
@@ -458,7 +458,6 @@ def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
         before = {rid: len(run.generated) for rid, run in sched.running.items()}
         updates = sched.step()
         max_batch = max(max_batch, len(sched.running))
-        max_waiting = max(max_waiting, len(sched.waiting))
         tcache.check_accounting()
         dcache.check_accounting()
         for u in updates:
@@ -492,7 +491,7 @@ def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
     assert tcache.sequence_ids() == [] and dcache.sequence_ids() == []
     assert engine.target_worker._seqs == {} and engine.draft_worker.drafter._seqs == {}
     assert "cancelled" in reasons.values() and "length" in reasons.values()
-    print("STATS", seed, sorted(reasons.values()), proposed, accepted, sched.total_rounds, max_batch, max_waiting)
+    assert max_batch >= 2  # requests really shared rounds
     assert 0 < accepted < proposed  # a genuine mix of accepts and rejections
 
     for rid, reason in reasons.items():

@@ -8,10 +8,14 @@ from specdec.model.batch import prepare_forward
 from specdec.model.llama import LlamaModel
 
 
-def default_num_blocks(model: LlamaModel, block_size: int, max_cache_bytes: int) -> int:
+def default_num_blocks(model: LlamaModel, block_size: int, max_cache_bytes: int,
+                       max_full_sequences: int = 32) -> int:
+    """Room for `max_full_sequences` sequences of the full context, capped by a memory budget
+    (the cache is allocated up front, so an oversized default costs real memory)."""
     c = model.config
     bytes_per_block = 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * model.weights.embed.element_size()
-    return max(1, max_cache_bytes // bytes_per_block)
+    wanted = max_full_sequences * -(-c.max_position_embeddings // block_size)
+    return max(1, min(wanted, max_cache_bytes // bytes_per_block))
 
 
 class ModelRunner:

@@ -1,0 +1,9 @@
+"""`specdec bench`: speculative vs plain decoding vs Hugging Face `generate`, on the same checkpoints.
+
+Modules: `theory` (the expected-speedup formula), `runners` (one way to time each system, plus
+the draft/target step-cost microbenchmark), `report` (table, targets, JSON, PNG) and `command`
+(the CLI subcommand: `add_arguments(parser)` / `run(args)`).
+"""
+from specdec.bench.theory import expected_tokens_per_round, theoretical_speedup
+
+__all__ = ["expected_tokens_per_round", "theoretical_speedup"]

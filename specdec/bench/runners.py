@@ -1,0 +1,380 @@
+"""How each benchmarked system is driven and timed, on the same token-id prompts.
+
+Every system gets the prompts as token ids (tokenized once, up front), the same max_new_tokens
+(EOS never ends a sequence early: `ignore_eos=True` for specdec, `min_new_tokens=max_new_tokens`
+for Hugging Face), the same torch threads, and one warm-up call before it is timed.
+tokens/s = generated tokens / wall-clock seconds of the timed calls.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+SYSTEMS = {
+    # key: (label, needs a draft model, batch-1 only)
+    "engine": ("specdec plain", False, False),
+    "spec-draft": ("specdec + draft model", True, False),
+    "spec-ngram": ("specdec + n-gram", False, False),
+    "hf": ("HF generate", False, False),
+    "hf-assisted": ("HF assisted (draft)", True, True),
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # "greedy" or "T=0.8"
+    temperature: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RunResult:
+    system: str
+    label: str
+    batch: int
+    mode: str
+    k: int | None  # draft length (None for plain decoding)
+    prompts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float | None = None
+    skipped: str | None = None  # why this combination was not measured
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None  # tokens committed per target forward pass
+    proposed: int | None = None
+    accepted: int | None = None
+    target_forward_passes: int | None = None
+    draft_forward_passes: int | None = None
+    # Where the wall time went (specdec only): draft worker, target worker, the rest (scheduler,
+    # stop conditions, Python glue).
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    other_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+    # Filled in by the report: ratios and the expected speedup.
+    vs_engine_plain: float | None = None
+    vs_hf_plain: float | None = None
+    vs_hf_assisted: float | None = None
+    cost_ratio_c: float | None = None
+    theoretical_speedup: float | None = None
+    # Greedy only: share of prompts whose output equals specdec plain's, token for token.
+    same_output_as_plain: float | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated ids, prompt order
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        del data["outputs"]
+        return data
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def load_prompts(path: str | Path, n: int, tokenizer=None) -> tuple[list[list[int]], list[str]]:
+    """n prompts spread evenly over a JSONL file of {"prompt": text} or {"prompt_ids": [ids]}.
+
+    Returns (token-id lists, a short description of each). Text needs the checkpoint's tokenizer
+    and is encoded the way LocalEngine encodes it.
+    """
+    entries = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not entries:
+        raise ValueError(f"{path}: no prompts")
+    if n > len(entries):
+        raise ValueError(f"asked for {n} prompts but {path} has {len(entries)}")
+    picks = [entries[(i * len(entries)) // n] for i in range(n)]
+    ids, names = [], []
+    for i, entry in enumerate(picks):
+        if "prompt_ids" in entry:
+            ids.append([int(t) for t in entry["prompt_ids"]])
+        elif "prompt" in entry:
+            if tokenizer is None:
+                raise ValueError("the prompts are text but the target checkpoint has no tokenizer: "
+                                 "give a prompts file with \"prompt_ids\" instead")
+            ids.append(list(tokenizer(entry["prompt"])["input_ids"]))
+        else:
+            raise ValueError(f"{path}: every line needs \"prompt\" or \"prompt_ids\"")
+        names.append(str(entry.get("source", f"prompt {i}")))
+    if any(not p for p in ids):
+        raise ValueError(f"{path}: empty prompt")
+    return ids, names
+
+
+def chunks(items: Sequence, size: int) -> list[Sequence]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+# -- specdec --------------------------------------------------------------------------------------
+class _TimedDraft:
+    """Wraps the scheduler's draft client: seconds spent in the draft worker."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seconds = 0.0
+
+    def info(self):
+        return self.inner.info()
+
+    def propose(self, tasks, finished):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.propose(tasks, finished)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class _TimedTarget:
+    def __init__(self, inner):
+        self.inner = inner
+        self.seconds = 0.0
+
+    def info(self):
+        return self.inner.info()
+
+    def verify(self, tasks, finished):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.verify(tasks, finished)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class EngineSystem:
+    """A LocalEngine (plain, draft model or n-gram), timed per draft/verify call."""
+
+    def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
+                 max_batch_size: int):
+        from specdec import LocalEngine
+
+        self.key = key
+        self.label = SYSTEMS[key][0]
+        self.k = k if draft is not None else None
+        self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
+                                  kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size)
+        scheduler = self.engine.scheduler
+        self._draft = _TimedDraft(scheduler.draft) if scheduler.draft is not None else None
+        self._target = _TimedTarget(scheduler.target)
+        if self._draft is not None:
+            scheduler.draft = self._draft
+        scheduler.target = self._target
+
+    def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
+            k: int | None = None, bar=None) -> RunResult:
+        from specdec import SamplingParams
+
+        k = self.k if k is None else k
+        result = RunResult(system=self.key, label=self.label, batch=batch, mode=mode.name, k=k,
+                           prompts=len(prompts))
+        if self._draft is not None:
+            self._draft.seconds = 0.0
+        self._target.seconds = 0.0
+        proposed = accepted = rounds = draft_passes = generated = 0
+        gc.collect()
+        start = time.perf_counter()
+        for offset, group in zip(range(0, len(prompts), batch), chunks(prompts, batch)):
+            params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=mode.temperature,
+                                     seed=None if mode.greedy else seed + offset + i, ignore_eos=True)
+                      for i in range(len(group))]
+            outputs = self.engine.generate(list(group), params, num_speculative_tokens=k if self.k is not None else 0)
+            for out in outputs:
+                result.outputs.append(list(out.token_ids))
+                generated += len(out.token_ids)
+                proposed += out.stats.proposed_tokens
+                accepted += out.stats.accepted_tokens
+                rounds += out.stats.target_forward_passes
+                draft_passes += out.stats.draft_forward_passes
+            if bar is not None:
+                bar.update(sum(len(o.token_ids) for o in outputs))
+        result.seconds = time.perf_counter() - start
+        result.tokens = generated
+        result.tokens_per_s = generated / result.seconds if result.seconds > 0 else None
+        result.target_forward_passes = rounds
+        result.mean_accepted_length = generated / rounds if rounds else None
+        if self.k is not None:
+            result.proposed, result.accepted, result.draft_forward_passes = proposed, accepted, draft_passes
+            result.acceptance_rate = accepted / proposed if proposed else None
+        result.draft_seconds = self._draft.seconds if self._draft is not None else 0.0
+        result.verify_seconds = self._target.seconds
+        result.other_seconds = result.seconds - result.draft_seconds - result.verify_seconds
+        return result
+
+    def warm_up(self, prompts: list[list[int]], batch: int, mode: Mode, seed: int, k: int | None = None) -> None:
+        self.run(prompts[:batch], batch, mode, max_new_tokens=8, seed=seed, k=k)
+
+
+# -- Hugging Face ---------------------------------------------------------------------------------
+class _CallCounter:
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+
+def load_hf(path: str):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+class HFSystem:
+    """`model.generate` on the target, plain or with `assistant_model=draft` (batch 1 only)."""
+
+    def __init__(self, key: str, target: str, draft: str | None, k: int, model=None):
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        self.key = key
+        self.label = SYSTEMS[key][0]
+        self.model = model if model is not None else load_hf(target)
+        self.counter = _CallCounter(self.model)
+        self.assistant = None
+        self.k = None
+        if draft is not None:
+            self.assistant = load_hf(draft)
+            # Same draft length as specdec, fixed; HF keeps its own confidence-based early stop.
+            self.assistant.generation_config.num_assistant_tokens = k
+            self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            self.assistant_counter = _CallCounter(self.assistant)
+            self.k = k
+        config = self.model.generation_config
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if isinstance(pad, (list, tuple)):
+            pad = pad[0] if pad else None
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
+            k: int | None = None, bar=None) -> RunResult:
+        result = RunResult(system=self.key, label=self.label, batch=batch, mode=mode.name, k=self.k,
+                           prompts=len(prompts))
+        if self.assistant is not None and batch != 1:
+            result.skipped = "HF assisted generation supports batch size 1 only"
+            return result
+        kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=self.pad_id)
+        if mode.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            # No top-k/top-p: HF's default top_k=50 would make its sampling cheaper and different.
+            kwargs.update(do_sample=True, temperature=mode.temperature, top_k=0, top_p=1.0)
+        if self.assistant is not None:
+            kwargs["assistant_model"] = self.assistant
+            self.assistant_counter.calls = 0
+        self.counter.calls = 0
+        generated = 0
+        sequence_passes = 0  # target forward passes x sequences in them
+        gc.collect()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for offset, group in zip(range(0, len(prompts), batch), chunks(prompts, batch)):
+                ids, mask = left_pad(group, self.pad_id)
+                if not mode.greedy:
+                    torch.manual_seed(seed + offset)
+                calls_before = self.counter.calls
+                out = self.model.generate(ids, attention_mask=mask, **kwargs)
+                sequence_passes += (self.counter.calls - calls_before) * len(group)
+                new = (out.shape[1] - ids.shape[1]) * len(group)
+                result.outputs.extend(out[:, ids.shape[1]:].tolist())
+                generated += new
+                if bar is not None:
+                    bar.update(new)
+        result.seconds = time.perf_counter() - start
+        result.tokens = generated
+        result.tokens_per_s = generated / result.seconds if result.seconds > 0 else None
+        result.target_forward_passes = self.counter.calls
+        if self.assistant is not None:
+            rounds = self.counter.calls
+            result.mean_accepted_length = generated / rounds if rounds else None
+            # HF does not report acceptance; estimate it: each assistant forward proposes one token,
+            # each round commits its accepted tokens plus one of the target's.
+            result.draft_forward_passes = self.assistant_counter.calls
+            result.accepted = generated - rounds
+            result.proposed = self.assistant_counter.calls
+            result.acceptance_rate = result.accepted / result.proposed if result.proposed else None
+            result.notes.append("acceptance estimated from forward-call counts (HF does not report it)")
+        else:
+            result.mean_accepted_length = generated / sequence_passes if sequence_passes else None
+        return result
+
+    def warm_up(self, prompts: list[list[int]], batch: int, mode: Mode, seed: int, k: int | None = None) -> None:
+        if self.assistant is not None and batch != 1:
+            return
+        self.run(prompts[:batch], batch, mode, max_new_tokens=8, seed=seed)
+
+
+# -- cost ratio c ---------------------------------------------------------------------------------
+def _time_steps(runner, contexts: list[list[int]], steps: int, tokens_per_step: int = 1) -> float:
+    """(median, min) seconds of one forward pass that feeds `tokens_per_step` tokens to every sequence
+    (contexts already prefilled); the cache is rolled back after each pass so the context stays fixed."""
+    ids = [f"bench-step-{i}" for i in range(len(contexts))]
+    cache = runner.cache
+    for seq_id in ids:
+        cache.add_sequence(seq_id)
+    try:
+        runner.run(ids, [list(c) for c in contexts], [1] * len(ids))
+        lengths = [cache.length(s) for s in ids]
+        feed = [[c[-1]] * tokens_per_step for c in contexts]
+        times: list[float] = []
+        for step in range(steps + 3):
+            t0 = time.perf_counter()
+            runner.run(ids, feed, [tokens_per_step] * len(ids))
+            elapsed = time.perf_counter() - t0
+            for seq_id, length in zip(ids, lengths):
+                cache.truncate_to(seq_id, length)
+            if step >= 3:  # the first passes warm up allocator and caches
+                times.append(elapsed)
+        return statistics.median(times), min(times)
+    finally:
+        for seq_id in ids:
+            cache.free_sequence(seq_id)
+
+
+def measure_step_costs(target: str, draft: str | None, contexts: list[list[int]], batch_sizes: Sequence[int],
+                       k: int, steps: int = 30, kv_cache_blocks: int = 256) -> dict:
+    """Per-step seconds of the target and the draft in specdec's runtime, and c = draft / target.
+
+    One decode step = one new token per sequence at the benchmark's context lengths (the prompts).
+    Also the cost of a (K+1)-token verify pass relative to a 1-token step, which the formula
+    assumes to be 1.
+    """
+    from specdec.model.llama import LlamaModel
+    from specdec.model.runner import ModelRunner
+
+    target_runner = ModelRunner(LlamaModel.load(target), kv_cache_blocks)
+    draft_runner = ModelRunner(LlamaModel.load(draft), kv_cache_blocks) if draft else None
+    out: dict = {"steps_timed": steps, "by_batch": {}}
+    for b in batch_sizes:
+        ctx = [contexts[i % len(contexts)] for i in range(b)]
+        t_target, min_target = _time_steps(target_runner, ctx, steps)
+        t_verify, min_verify = _time_steps(target_runner, ctx, steps, tokens_per_step=k + 1)
+        entry = {"target_step_s": t_target, "target_verify_pass_s": t_verify,
+                 "verify_pass_over_step": t_verify / t_target, "verify_tokens": k + 1,
+                 "min_target_step_s": min_target, "min_target_verify_pass_s": min_verify}
+        if draft_runner is not None:
+            t_draft, min_draft = _time_steps(draft_runner, ctx, steps)
+            entry.update(draft_step_s=t_draft, c=t_draft / t_target, min_draft_step_s=min_draft,
+                         c_from_min=min_draft / min_target)
+        out["by_batch"][str(b)] = entry
+    return out
+

@@ -1,0 +1,354 @@
+"""The public gRPC service end to end over real gRPC on 127.0.0.1 (no Ray): streaming equals the
+in-process engine, concurrency, bad input, cancellation, deadlines, graceful stop, health,
+reflection, auth, the CLI, and the draft/target workers behind gRPC."""
+from __future__ import annotations
+
+import io
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
+from coordinator.embedded import build_grpc_scheduler, build_local_scheduler
+from coordinator.engine import LocalEngine, build_local_workers
+from coordinator.server import SERVICE_NAME, run_server_in_thread
+from draft_worker import grpc_server as draft_server
+from draft_worker.worker import DraftWorker
+from specdec import client_command
+from specdec.client import GenerationClient
+from specdec.params import SamplingParams
+from target_worker import grpc_server as target_server
+
+K = 4
+MAX_POS = 128
+KV = dict(kv_cache_blocks=96, kv_block_size=8)
+PROMPTS = ["the quick brown fox", "hello server", "speculative decoding drafts tokens", "lazy dog"]
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
+
+
+def save_tokenizer(path) -> None:
+    """A tiny BPE trained here, vocab 120 (< the model's 300; larger model ids decode to nothing)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    corpus = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts tokens and the target "
+              "verifies them", "hello world, hello server; stream the text back to the client"] * 10
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = build_checkpoint(tmp_path_factory.mktemp("srv-target"), seed=0, max_position_embeddings=MAX_POS,
+                              **CONFIGS["gqa_untied"])
+    save_tokenizer(target)
+    draft = perturbed_copy(target, tmp_path_factory.mktemp("srv-draft"), noise=0.3)
+    return SimpleNamespace(target=str(target), draft=str(draft))
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, **KV)
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    factory, tokenizer = build_local_scheduler(models.target, models.draft, num_speculative_tokens=K, **KV)
+    with run_server_in_thread(factory, tokenizer) as handle:
+        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
+            yield SimpleNamespace(handle=handle, client=client, factory=factory, engine=handle.server.engine)
+
+
+def expected(reference, prompt, n=24, k=None, **sampling):
+    out = reference.generate([prompt], SamplingParams(max_new_tokens=n, **sampling), num_speculative_tokens=k)[0]
+    return out
+
+
+def slow_rounds(engine, seconds):
+    engine.on_round = lambda scheduler, updates, dt: time.sleep(seconds)
+
+
+def wait_until(predicate, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def kv_used(factory) -> int:
+    return factory.target_worker.cache.allocator.num_used
+
+
+# --- the embedded server -------------------------------------------------------------------
+
+
+def test_health_and_reflection(served):
+    channel = grpc.insecure_channel(f"127.0.0.1:{served.handle.port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    for service in ("", SERVICE_NAME):
+        assert stub.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+    channel.close()
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(SAMPLED, seed=7)], ids=["greedy", "seeded"])
+def test_stream_equals_local_engine(served, reference, sampling):
+    for prompt in (PROMPTS[0], [5, 17, 250, 3, 99]):
+        want = expected(reference, prompt, **sampling)
+        responses = list(served.client.generate_stream(prompt, max_new_tokens=24, **sampling))
+        assert len(responses) > 1  # streamed round by round
+        assert all(r.finish_reason == "" for r in responses[:-1])
+        got_ids = [t for r in responses for t in r.token_ids]
+        assert got_ids == want.token_ids
+        assert "".join(r.text for r in responses) == want.text
+        last = responses[-1]
+        assert last.finish_reason == want.finish_reason == "length"
+        stats = last.stats
+        assert stats.generated_tokens == 24 and stats.prompt_tokens > 0
+        assert stats.rounds == stats.target_forward_passes == want.stats.target_forward_passes
+        assert stats.draft_forward_passes == want.stats.draft_forward_passes
+        assert stats.HasField("acceptance_rate") and stats.acceptance_rate == pytest.approx(want.stats.acceptance_rate)
+        assert stats.mean_accepted_length == pytest.approx(24 / stats.rounds)
+    assert isinstance(want.text, str) and want.text  # the tokenizer path produced text
+
+
+def test_greedy_speculative_equals_target_only(served):
+    spec = served.client.generate(PROMPTS[2], max_new_tokens=30)
+    plain = served.client.generate(PROMPTS[2], max_new_tokens=30, num_speculative_tokens=0)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert not plain.stats.HasField("acceptance_rate") and plain.stats.draft_forward_passes == 0
+    assert plain.stats.rounds == 30 and spec.stats.rounds < 30
+
+
+def test_concurrent_streams_equal_one_at_a_time(served):
+    jobs = [(PROMPTS[i % 4], dict(SAMPLED, seed=i) if i % 2 else {}, 16 + i) for i in range(8)]
+    sequential = [served.client.generate(p, max_new_tokens=n, **s) for p, s, n in jobs]
+    widths = []
+
+    def record(scheduler, updates, dt):
+        widths.append(len(updates))
+        time.sleep(0.002)  # lets the streams overlap
+
+    served.engine.on_round = record
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            concurrent = list(pool.map(lambda j: served.client.generate(j[0], max_new_tokens=j[2], **j[1]), jobs))
+    finally:
+        served.engine.on_round = None
+    for seq, conc in zip(sequential, concurrent):
+        assert conc.token_ids == seq.token_ids and conc.text == seq.text and conc.finish_reason == "length"
+    assert max(widths) > 1  # they really were batched together
+    assert served.engine.counters.rounds > 0 and served.engine.counters.tokens >= sum(n for *_, n in jobs)
+    assert wait_until(lambda: kv_used(served.factory) == 0)
+
+
+@pytest.mark.parametrize("prompt,options,message", [
+    ("hi", dict(temperature=-1.0), "temperature"),
+    ("hi", dict(top_p=0.0), "top_p"),
+    ("hi", dict(top_p=1.5), "top_p"),
+    ("hi", dict(top_k=-3), "top_k"),
+    ("hi", dict(repetition_penalty=0.0), "repetition_penalty"),
+    ("hi", dict(max_new_tokens=0), "max_new_tokens"),
+    ("", {}, "prompt is empty"),
+    ([], {}, "prompt is empty"),
+    ([1, 2, 300], {}, "outside the vocabulary"),
+    ([1, -2], {}, "outside the vocabulary"),
+    ([1] * 100, dict(max_new_tokens=40), "exceeds the context length"),
+    ("hi", dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+    ("hi", dict(num_speculative_tokens=65), "num_speculative_tokens"),
+    ("hi", dict(stop=[""]), "stop"),
+])
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(served, prompt, options, message):
+    with pytest.raises(grpc.RpcError) as info:
+        served.client.generate(prompt, **options)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    assert served.client.generate([1, 2, 3], max_new_tokens=3).finish_reason == "length"
+
+
+def test_client_cancel_frees_kv_blocks(served):
+    slow_rounds(served.engine, 0.02)
+    try:
+        call = served.client.generate_stream([4, 8, 15, 16, 23, 42], max_new_tokens=100)
+        first = next(call)
+        assert first.token_ids and kv_used(served.factory) > 0
+        call.cancel()
+        assert wait_until(lambda: kv_used(served.factory) == 0)
+        assert not served.engine.scheduler.running and served.engine.num_active == 0
+    finally:
+        served.engine.on_round = None
+    assert served.client.generate("hello", max_new_tokens=4).finish_reason == "length"
+
+
+def test_deadline_exceeded_frees_kv_blocks(served):
+    slow_rounds(served.engine, 0.02)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            served.client.generate([4, 8, 15], max_new_tokens=100, timeout=0.3)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_until(lambda: kv_used(served.factory) == 0 and not served.engine.scheduler.running)
+    finally:
+        served.engine.on_round = None
+
+
+def test_stop_string(served, reference):
+    full = expected(reference, PROMPTS[1], n=24)
+    stop = full.text[len(full.text) // 2:][:3]
+    assert stop.strip()
+    got = served.client.generate(PROMPTS[1], max_new_tokens=24, stop=[stop])
+    assert got.finish_reason == "stop" and got.text == full.text[:full.text.index(stop)]
+
+
+def test_cli_generate(served, reference):
+    want = expected(reference, PROMPTS[3], n=12)
+    parser = __import__("argparse").ArgumentParser()
+    client_command.add_arguments(parser)
+    out, err = io.StringIO(), io.StringIO()
+    args = parser.parse_args([PROMPTS[3], "--address", f"127.0.0.1:{served.handle.port}", "--max-new-tokens", "12",
+                              "--stats"])
+    with redirect_stdout(out), redirect_stderr(err):
+        assert client_command.run(args) == 0
+    assert out.getvalue() == want.text + "\n"
+    assert "finish_reason=length" in err.getvalue() and "generated_tokens=12" in err.getvalue()
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        assert client_command.run(parser.parse_args(["x", "--address", "127.0.0.1:1"])) == 1
+        assert client_command.run(parser.parse_args(["x", "--address", f"127.0.0.1:{served.handle.port}",
+                                                     "--top-p", "2"])) == 1
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("error: server not reachable at 127.0.0.1:1")
+    assert lines[1].startswith("error: invalid request: top_p")
+
+
+# --- servers of their own ------------------------------------------------------------------
+
+
+def test_graceful_stop_and_auth(models):
+    factory, tokenizer = build_local_scheduler(models.target, models.draft, num_speculative_tokens=K, **KV)
+    with run_server_in_thread(factory, tokenizer, auth_token="s3cret") as handle:
+        address = f"127.0.0.1:{handle.port}"
+        with pytest.raises(grpc.RpcError) as info:
+            GenerationClient(address).generate("hi", max_new_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        client = GenerationClient(address, token="s3cret")
+        assert client.generate("hi", max_new_tokens=2).finish_reason == "length"
+        slow_rounds(handle.server.engine, 0.02)
+        call = client.generate_stream([3, 1, 4, 1, 5], max_new_tokens=40)
+        first = next(call)
+        stopper = threading.Thread(target=handle.stop, args=(10.0,))
+        stopper.start()
+        assert wait_until(lambda: handle.server.servicer.draining)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate("hi", max_new_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(call)  # the in-flight request runs to its end
+        assert rest[-1].finish_reason == "length"
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 40
+        stopper.join(15)
+        assert not stopper.is_alive()
+        assert kv_used(factory) == 0
+        client.close()
+
+
+def test_workers_over_grpc(models, reference):
+    target_worker, draft_worker = build_local_workers(models.target, models.draft, **KV)
+    tserver, tport = target_server.serve(target_worker)
+    dserver, dport = draft_server.serve(draft_worker)
+    assert isinstance(draft_worker, DraftWorker)
+    try:
+        factory = build_grpc_scheduler(f"127.0.0.1:{dport}", f"127.0.0.1:{tport}", models.target,
+                                       num_speculative_tokens=K)
+        with run_server_in_thread(factory, factory.tokenizer) as handle:
+            client = GenerationClient(f"127.0.0.1:{handle.port}")
+            for sampling in ({}, dict(SAMPLED, seed=3)):
+                want = expected(reference, PROMPTS[0], **sampling)
+                got = client.generate(PROMPTS[0], max_new_tokens=24, **sampling)
+                assert got.token_ids == want.token_ids and got.text == want.text
+                assert got.stats.rounds == want.stats.target_forward_passes
+            counters = handle.server.engine.counters
+            assert counters.bytes_sent > 0 and counters.bytes_received > 0 and counters.last_round_bytes_sent > 0
+            assert wait_until(lambda: target_worker.cache.allocator.num_used == 0)
+            tserver.stop(None)  # the target worker goes away: requests fail with UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(PROMPTS[0], max_new_tokens=8)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in info.value.details()
+            client.close()
+        factory.target_client.close()
+        factory.draft_client.close()
+    finally:
+        tserver.stop(None)
+        dserver.stop(None)
+
+
+def health_status(port) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+
+
+def test_not_serving_until_ready_and_requests_wait(models, reference):
+    factory, tokenizer = build_local_scheduler(models.target, models.draft, num_speculative_tokens=K, **KV)
+    gate = threading.Event()
+
+    def slow_factory():
+        gate.wait(10)
+        return factory()
+
+    with run_server_in_thread(slow_factory, tokenizer, wait_ready=False) as handle:
+        assert health_status(handle.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        client = GenerationClient(f"127.0.0.1:{handle.port}")
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, PROMPTS[0], max_new_tokens=8)  # queued while loading
+            time.sleep(0.1)
+            assert not pending.done()
+            gate.set()
+            assert pending.result(10).token_ids == expected(reference, PROMPTS[0], n=8).token_ids
+        assert wait_until(lambda: health_status(handle.port) == health_pb2.HealthCheckResponse.SERVING)
+        client.close()
+
+
+def test_engine_start_failure_is_unavailable():
+    def broken():
+        raise FileNotFoundError("no checkpoint at /nowhere")
+
+    with run_server_in_thread(broken, None, wait_ready=False) as handle:
+        assert wait_until(lambda: handle.server.engine.ready.is_set())
+        assert health_status(handle.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate([1, 2], max_new_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "no checkpoint" in info.value.details()
+
+
+def test_tls(models, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    factory, tokenizer = build_local_scheduler(models.target, None, **KV)
+    with run_server_in_thread(factory, tokenizer, tls_cert=str(cert), tls_key=str(key)) as handle:
+        with GenerationClient(f"127.0.0.1:{handle.port}", tls_ca=str(cert)) as client:
+            assert len(client.generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
+        with GenerationClient(f"127.0.0.1:{handle.port}") as plain:
+            with pytest.raises(grpc.RpcError) as info:
+                plain.generate([1, 2, 3], max_new_tokens=3, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE

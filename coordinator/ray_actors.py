@@ -15,8 +15,19 @@ actor calls are start-up (`ready`, `address`) and shutdown (`drain_and_stop`, `s
 Actors are named (`<prefix>-target`, `<prefix>-draft`, `<prefix>-coordinator`) in the `specdec`
 namespace and are restarted by Ray if their process dies (`max_restarts`; `max_task_retries=0`,
 since a replayed start-up or shutdown call is never wanted). Worker ports are chosen before the
-actor starts and passed in, so that a restarted worker comes back on the same address and the
-coordinator's clients reconnect to it on their next round.
+actor starts and passed in, so that a restarted worker reloads its model and comes back on the
+same port; the coordinator's clients reconnect to it on their next round (and ask the actor for
+its address after a failure, in case Ray restarted it on another node). Requests in flight when
+a worker dies end with UNAVAILABLE ("target worker unavailable (restarting?): ..."); requests
+after its recovery succeed.
+
+Placement (see k8s/README.md, "What the actor code must match"):
+- Custom resources are requested only when the cluster has them: the coordinator asks for
+  `specdec_coordinator` (only the KubeRay head has it), else it is pinned to the caller's node;
+  the workers ask for `specdec_target` / `specdec_draft` (one per worker pod).
+- Workers that bind a non-loopback address (`node-ip`) use fixed ports, as the NetworkPolicy
+  opens only those: $SPECDEC_TARGET_WORKER_PORT (default 50061) and $SPECDEC_DRAFT_WORKER_PORT
+  (default 50062). On loopback a free port is picked.
 """
 from __future__ import annotations
 
@@ -33,6 +44,12 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "specdec"
 DEFAULT_MAX_RESTARTS = 3
+COORDINATOR_RESOURCE = "specdec_coordinator"
+TARGET_RESOURCE = "specdec_target"
+DRAFT_RESOURCE = "specdec_draft"
+TARGET_PORT_ENV, DEFAULT_TARGET_PORT = "SPECDEC_TARGET_WORKER_PORT", 50061
+DRAFT_PORT_ENV, DEFAULT_DRAFT_PORT = "SPECDEC_DRAFT_WORKER_PORT", 50062
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,6 +81,54 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def worker_port(env_name: str, default: int, host: str) -> int:
+    """The port a worker binds: a free one on loopback, else $env_name or the fixed default."""
+    if host in LOOPBACK_HOSTS:
+        return free_port(host)
+    value = os.environ.get(env_name, "").strip()
+    if not value:
+        return default
+    try:
+        port = int(value)
+    except ValueError:
+        raise ValueError(f"{env_name}={value!r} is not a port number") from None
+    if not 0 <= port < 65536:
+        raise ValueError(f"{env_name}={value!r} is not a port number")
+    return port
+
+
+def specdec_resources() -> dict:
+    """The specdec_* custom resources of the connected Ray cluster (name -> total)."""
+    return {k: v for k, v in ray.cluster_resources().items() if k.startswith("specdec_")}
+
+
+def wait_for_resources(names: list[str], timeout_s: float, on_wait=None, poll_s: float = 2.0, stop=None) -> None:
+    """Wait until the cluster has every custom resource in `names` (the worker nodes joined).
+
+    `on_wait(missing)` is called once if they are not there yet; a set `stop` (threading.Event)
+    ends the wait early. TimeoutError names what is missing."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while True:
+        have = ray.cluster_resources()
+        missing = [n for n in names if have.get(n, 0) < 1]
+        if not missing:
+            return
+        if not told and on_wait is not None:
+            on_wait(missing)
+            told = True
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"no Ray node with resource {', '.join(missing)} joined within {timeout_s:.0f}s: are the "
+                f"{'/'.join(n.removeprefix('specdec_') for n in missing)} worker pods running and joined to the "
+                "cluster? (`ray status` lists the nodes and their resources)")
+        if stop is not None:
+            if stop.wait(poll_s):
+                return
+        else:
+            time.sleep(poll_s)
+
+
 def _set_threads(num_threads: int | None) -> None:
     if num_threads:
         import torch
@@ -82,6 +147,9 @@ class _WorkerActorBase:
 
     def address(self) -> str:
         return self._address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def ready(self) -> dict:
         """Called once after start-up: raises if the constructor failed; returns what is served."""
@@ -136,7 +204,8 @@ class CoordinatorActor:
 
     def __init__(self, target_address: str, draft_address: str | None, tokenizer_dir: str,
                  num_speculative_tokens: int = 5, host: str = "0.0.0.0", port: int = 50051,
-                 deployment: str = "specdec", server_options: dict | None = None, max_batch_size: int = 32):
+                 deployment: str = "specdec", server_options: dict | None = None, max_batch_size: int = 32,
+                 worker_actor_names: dict | None = None, namespace: str = NAMESPACE):
         from coordinator.embedded import build_grpc_scheduler
         from coordinator.metrics import make_round_callback
         from coordinator.server import GenerationServer, ServerThread
@@ -153,6 +222,12 @@ class CoordinatorActor:
             self.handle.stop(0)
             raise
         self._address = advertised(host, self.port)
+        # After a worker failure the clients ask its actor where it serves now (Ray may restart it
+        # on another node); never on the round path.
+        for role, client in (("target", factory.target_client), ("draft", factory.draft_client)):
+            name = (worker_actor_names or {}).get(role)
+            if client is not None and name:
+                client.resolve_address = _address_resolver(name, namespace)
 
     def ready(self) -> dict:
         return {"kind": "coordinator", "address": self._address, "port": self.port, "pid": os.getpid(),
@@ -169,6 +244,13 @@ class CoordinatorActor:
         self.handle.stop(grace_s)
         self.metrics.close()
         return self.metrics.snapshot()
+
+
+def _address_resolver(actor_name: str, namespace: str, timeout_s: float = 1.0):
+    def resolve() -> str:
+        actor = ray.get_actor(actor_name, namespace=namespace)
+        return ray.get(actor.address.remote(), timeout=timeout_s)
+    return resolve
 
 
 @dataclass
@@ -212,11 +294,24 @@ class Deployment:
                 pass
 
 
-def _resources(device: str, gpus: float | None, cpus: float) -> dict:
+def _resources(device: str, gpus: float | None, cpus: float, custom: str | None = None,
+               cluster: dict | None = None) -> dict:
+    """Ray options for a worker actor; `custom` is asked for only if the cluster has it."""
     opts = {"num_cpus": cpus}
     if device.startswith("cuda"):
         opts["num_gpus"] = 1 if gpus is None else gpus
+    if custom and (cluster or {}).get(custom, 0) >= 1:
+        opts["resources"] = {custom: 1}
     return opts
+
+
+def _coordinator_placement(cluster: dict) -> dict:
+    """On the node with `specdec_coordinator` (the KubeRay head) if there is one, else this node."""
+    if cluster.get(COORDINATOR_RESOURCE, 0) >= 1:
+        return {"resources": {COORDINATOR_RESOURCE: 1}}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+        node_id=ray.get_runtime_context().get_node_id(), soft=False)}
 
 
 def launch(target: str, draft: str | None = None, *, num_speculative_tokens: int = 5,
@@ -231,30 +326,35 @@ def launch(target: str, draft: str | None = None, *, num_speculative_tokens: int
 
     `draft`: a checkpoint directory, "ngram", or None (target only). The coordinator (the public
     port) is pinned to the caller's node unless pin_coordinator is False, so `specdec serve` on the
-    head node opens the public port there. Worker ports left as None
-    are picked here when the workers bind loopback (then they survive a restart), else 0 (any).
+    head node opens the public port there (with `specdec_coordinator` in the cluster, on the node
+    that has it). Worker ports left as None are picked here when the workers bind loopback, else
+    they are $SPECDEC_TARGET_WORKER_PORT / $SPECDEC_DRAFT_WORKER_PORT (50061 / 50062); either way
+    a restarted worker comes back on the same port. Custom resources `specdec_target` /
+    `specdec_draft` are requested when the cluster has them.
     Raises RuntimeError with the failing actor's error if start-up fails (all actors are killed).
     """
     t0 = time.perf_counter()
-    local_host = worker_host in ("127.0.0.1", "localhost", "::1")
     if target_port is None:
-        target_port = free_port(worker_host) if local_host else 0
+        target_port = worker_port(TARGET_PORT_ENV, DEFAULT_TARGET_PORT, worker_host)
     if draft_port is None:
-        draft_port = free_port(worker_host) if local_host and draft else 0
+        draft_port = worker_port(DRAFT_PORT_ENV, DEFAULT_DRAFT_PORT, worker_host) if draft else 0
+    cluster = ray.cluster_resources()
     common = dict(namespace=namespace, max_restarts=max_restarts, max_task_retries=0, lifetime="non_detached")
     worker_args = dict(device=device, dtype=dtype, host=worker_host, kv_cache_blocks=kv_cache_blocks,
                        kv_block_size=kv_block_size)
     started = []
     try:
         target_actor = TargetWorkerActor.options(
-            name=f"{name_prefix}-target", **common, **_resources(device, target_gpus, worker_cpus),
+            name=f"{name_prefix}-target", **common,
+            **_resources(device, target_gpus, worker_cpus, TARGET_RESOURCE, cluster),
         ).remote(str(target), port=target_port, num_threads=target_threads, **worker_args)
         started.append(target_actor)
         draft_actor = None
         if draft:
             draft_device = "cpu" if draft == "ngram" else device
             draft_actor = DraftWorkerActor.options(
-                name=f"{name_prefix}-draft", **common, **_resources(draft_device, draft_gpus, worker_cpus),
+                name=f"{name_prefix}-draft", **common,
+                **_resources(draft_device, draft_gpus, worker_cpus, DRAFT_RESOURCE, cluster),
             ).remote(str(draft), port=draft_port, num_threads=draft_threads, **{**worker_args, "device": draft_device})
             started.append(draft_actor)
         # Both load their models concurrently; a constructor error surfaces here.
@@ -266,15 +366,13 @@ def launch(target: str, draft: str | None = None, *, num_speculative_tokens: int
             if dv is not None and dv != tv:
                 raise ValueError(f"draft vocabulary ({dv}) differs from the target's ({tv}): "
                                  "they must share a tokenizer")
-        placement = {}
-        if pin_coordinator:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        placement = _coordinator_placement(cluster) if pin_coordinator else {}
+        worker_names = {"target": f"{name_prefix}-target", "draft": f"{name_prefix}-draft" if draft else None}
         coordinator = CoordinatorActor.options(
             name=f"{name_prefix}-coordinator", num_cpus=0, **common, **placement,
         ).remote(target_info["address"], draft_info["address"] if draft_info else None, str(target),
-                 num_speculative_tokens, host, port, name_prefix, server_options, max_batch_size)
+                 num_speculative_tokens, host, port, name_prefix, server_options, max_batch_size,
+                 worker_names, namespace)
         started.append(coordinator)
         coord_info = ray.get(coordinator.ready.remote(), timeout=timeout_s)
     except BaseException as e:

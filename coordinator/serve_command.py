@@ -12,6 +12,11 @@ shipped pair (models/target drafted by models/draft) in Ray actors, and serve Ge
 SIGTERM / SIGINT drain: the server refuses new requests (UNAVAILABLE), in-flight requests run to
 completion for up to --grace-period seconds, then the actors stop, Ray shuts down if this command
 started it, and the exit status is 0. A second signal exits at once (status 1).
+
+On a cluster whose nodes carry specdec_* resources (k8s/raycluster.yaml) the command first waits
+for the target/draft worker nodes (--worker-wait), and each actor goes to its own node. A worker
+whose process dies is restarted by Ray (--max-restarts) on the same port: requests in flight end
+with UNAVAILABLE, requests after its recovery succeed.
 """
 from __future__ import annotations
 
@@ -52,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     n.add_argument("--port", type=int, default=50051, help="public port (0: any free port)")
     n.add_argument("--worker-host", default=None,
                    help="bind address of the worker gRPC servers: 127.0.0.1 (default for a local Ray "
-                        "instance) or 'node-ip' (each node's Ray IP; the default with --ray-address)")
+                        "instance; free ports) or 'node-ip' (each node's Ray IP, the default with --ray-address; "
+                        "ports $SPECDEC_TARGET_WORKER_PORT / $SPECDEC_DRAFT_WORKER_PORT, default 50061 / 50062)")
     n.add_argument("--tls-cert", default=None, help="PEM certificate for the public port (with --tls-key)")
     n.add_argument("--tls-key", default=None, help="PEM private key for the public port")
     n.add_argument("--auth-token", default=os.environ.get("SPECDEC_AUTH_TOKEN"),
@@ -71,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="deployment name: actors are <name>-target/-draft/-coordinator in namespace 'specdec'")
     r.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs Ray reserves for each worker actor")
     r.add_argument("--max-restarts", type=int, default=3, help="times Ray restarts a dead actor (-1: forever)")
+    r.add_argument("--worker-wait", type=float, default=600.0,
+                   help="with --ray-address on a cluster that has specdec_* node resources (KubeRay): seconds "
+                        "to wait for the target/draft worker nodes to join before giving up")
     parser.add_argument("--quiet", action="store_true", help="less Ray logging")
 
 
@@ -224,6 +233,36 @@ def _ray_init(args):
     return ray, started, url, metrics
 
 
+def _plan_gpus(ray, args, draft: str | None, started: bool, stop=None) -> float | None:
+    """GPUs per worker actor (None: one each), after waiting for the worker nodes of a cluster.
+
+    A cluster laid out for specdec (custom resources specdec_*, as in k8s/raycluster.yaml) gets
+    its worker nodes waited for (--worker-wait) and one GPU per worker. Otherwise two GPU workers
+    on a single machine with one GPU share it (0.5 each) rather than wait forever; on a multi-node
+    cluster they are never made to share, since more GPU nodes may still be joining."""
+    from coordinator.ray_actors import DRAFT_RESOURCE, TARGET_RESOURCE, specdec_resources, wait_for_resources
+
+    if not started and specdec_resources():
+        needed = [TARGET_RESOURCE] + ([DRAFT_RESOURCE] if draft not in (None, "ngram") else [])
+
+        def tell(missing: list[str]) -> None:
+            _say(f"specdec: waiting up to {args.worker_wait:g}s for Ray worker nodes with {', '.join(missing)} "
+                 "to join (`ray status` shows the nodes)")
+
+        try:
+            wait_for_resources(needed, args.worker_wait, tell, stop=stop)
+        except TimeoutError as e:
+            raise ServeError(str(e)) from None
+        return None
+    if not (args.device.startswith("cuda") and draft not in (None, "ngram")):
+        return None
+    have = ray.cluster_resources().get("GPU", 0)
+    single_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    if 0 < have < 2 and (started or single_node):
+        return have / 2
+    return None
+
+
 def _serve_with_ray(args, target: str, draft: str | None, signals: _Signals) -> int:
     t0 = time.perf_counter()
     ray, started, dashboard, metrics_url = _ray_init(args)
@@ -234,12 +273,9 @@ def _serve_with_ray(args, target: str, draft: str | None, signals: _Signals) -> 
         from coordinator.ray_actors import launch
 
         worker_host = args.worker_host or ("127.0.0.1" if started else "node-ip")
-        gpus = None
-        if args.device.startswith("cuda") and draft not in (None, "ngram"):
-            # Two GPU workers on a machine with one GPU share it rather than wait forever.
-            have = ray.cluster_resources().get("GPU", 0)
-            if 0 < have < 2:
-                gpus = have / 2
+        gpus = _plan_gpus(ray, args, draft, started, signals.stop)
+        if signals.stop.is_set():
+            return 0
         try:
             deployment = launch(
                 target, draft, num_speculative_tokens=args.num_speculative_tokens, host=args.host, port=args.port,
@@ -247,7 +283,7 @@ def _serve_with_ray(args, target: str, draft: str | None, signals: _Signals) -> 
                 server_options=_options(args), kv_cache_blocks=args.kv_cache_blocks, target_gpus=gpus,
                 draft_gpus=gpus, worker_cpus=args.worker_cpus, max_batch_size=args.max_batch_size,
                 max_restarts=args.max_restarts)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise ServeError(f"could not start the service: {e}") from e
         if signals.stop.is_set():
             deployment.drain_and_stop(0)

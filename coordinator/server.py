@@ -146,11 +146,12 @@ class EngineLoop:
     def _loop(self) -> None:
         sched = self.scheduler
         while True:
-            # Block when idle; otherwise take whatever arrived since the last round.
+            # Block when idle; otherwise take whatever arrived since the last round. The wait is
+            # bounded: releases that failed (worker restarting) become due again later on their own.
             block = not sched.has_work()
             while True:
                 try:
-                    command = self._inbox.get(block=block)
+                    command = self._inbox.get(block=block, timeout=1.0 if block else None)
                 except queue.Empty:
                     break
                 block = False

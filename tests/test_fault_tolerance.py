@@ -1,0 +1,235 @@
+"""A worker process dies under load: Ray restarts it, in-flight requests end with UNAVAILABLE and a
+message naming the worker, and new requests succeed (with the exact tokens) once it is back.
+
+One Ray instance and one deployment for the module (Ray start-up is the slow part here). The
+worker processes are killed with SIGKILL, as a crash would kill them, not through Ray. The Ray
+node carries the custom resources of the KubeRay layout (k8s/raycluster.yaml: specdec_coordinator,
+specdec_target, specdec_draft, one each), so the actors are placed the way they are in a cluster,
+and a restarted worker must get its resource back.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
+from coordinator.engine import LocalEngine  # noqa: E402
+from specdec.params import SamplingParams  # noqa: E402
+from specdec.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [3, 17, 42, 5, 99, 7, 3, 17]
+MAX_POS = 1024
+K = 4
+RECOVERY_S = 60
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("fault-tolerance")
+    target = build_checkpoint(base / "target", seed=0, max_position_embeddings=MAX_POS, **CONFIGS["gqa_untied"])
+    draft = perturbed_copy(target, base / "draft", noise=0.1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def deployment(models):
+    from coordinator.ray_actors import launch
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="specdec-ft",
+             runtime_env={"env_vars": env}, resources={"specdec_coordinator": 1, "specdec_target": 1, "specdec_draft": 1})
+    try:
+        target, draft = models
+        dep = launch(str(target), str(draft), num_speculative_tokens=K, host="127.0.0.1", port=0,
+                     name_prefix="specdec-ft", worker_cpus=0.5)
+        try:
+            yield dep
+        finally:
+            dep.drain_and_stop(grace_s=1, timeout_s=15)
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    target, draft = models
+    return LocalEngine(str(target), str(draft), num_speculative_tokens=K).generate(
+        [PROMPT], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
+
+
+def _request(max_new_tokens: int, k: int | None = None) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=max_new_tokens, ignore_eos=True)
+    if k is not None:
+        request.num_speculative_tokens = k
+    return request
+
+
+def _kill_mid_stream(port: int, actor, k: int | None) -> tuple[grpc.RpcError, int, int]:
+    """Start a long streaming request, SIGKILL the actor's process once it streams; return the
+    stream's error, the killed pid and how many tokens arrived."""
+    pid = ray.get(actor.pid.remote(), timeout=30)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stream = generation_pb2_grpc.GenerationStub(channel).Generate(
+            _request(MAX_POS - len(PROMPT) - 16, k), timeout=60)
+        tokens = len(next(stream).token_ids)  # running
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            for response in stream:
+                tokens += len(response.token_ids)
+    return info.value, pid, tokens
+
+
+def _wait_for_recovery(port: int, actor, old_pid: int) -> tuple[list[int], int, float]:
+    """Poll with fresh requests until one succeeds; (its tokens, failures before it, seconds)."""
+    t0 = time.monotonic()
+    failures = 0
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while True:
+            try:
+                responses = list(stub.Generate(_request(24), timeout=30))
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+                failures += 1
+                assert time.monotonic() - t0 < RECOVERY_S, f"no recovery within {RECOVERY_S}s: {e.details()}"
+                time.sleep(0.5)
+    assert ray.get(actor.pid.remote(), timeout=30) != old_pid  # Ray restarted the process
+    assert responses[-1].finish_reason == "length"
+    return [t for r in responses for t in r.token_ids], failures, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_worker_killed_mid_request_then_recovers(deployment, expected, role):
+    actor = deployment.target if role == "target" else deployment.draft
+    old_address = deployment.target_address if role == "target" else deployment.draft_address
+
+    error, pid, streamed = _kill_mid_stream(deployment.port, actor, None)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, (error.code(), error.details())
+    assert f"{role} worker unavailable" in error.details() and old_address in error.details()
+    assert streamed < MAX_POS - len(PROMPT) - 16
+
+    tokens, failures, seconds = _wait_for_recovery(deployment.port, actor, pid)
+    # The restarted worker (empty state, same address) serves the exact same tokens.
+    assert tokens == expected
+    assert ray.get(actor.address.remote(), timeout=10) == old_address
+
+    # And keeps serving: a second request, and the state of the failed one was released.
+    with grpc.insecure_channel(f"127.0.0.1:{deployment.port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        assert [t for r in stub.Generate(_request(24), timeout=30) for t in r.token_ids] == expected
+    # Releases are sent with the next round (or an idle flush): poll briefly.
+    end = time.monotonic() + 10
+    while ray.get(deployment.coordinator.metrics_snapshot.remote(), timeout=10)["kv_blocks_used"] != 0:
+        assert time.monotonic() < end, ("target KV blocks still in use after the requests finished",
+                                        ray.get(deployment.coordinator.metrics_snapshot.remote()))
+        time.sleep(0.2)
+    print(f"{role}: recovered after {seconds:.1f}s ({failures} UNAVAILABLE answers while restarting)")
+
+
+def test_actors_take_the_cluster_custom_resources(deployment, monkeypatch):
+    from coordinator import ray_actors
+
+    # Each actor holds its node's one unit (after the restarts above too).
+    available = ray.available_resources()
+    for name in ("specdec_coordinator", "specdec_target", "specdec_draft"):
+        assert available.get(name, 0) == 0, (name, available)
+    with pytest.raises(TimeoutError, match="specdec_nope"):
+        ray_actors.wait_for_resources(["specdec_target", "specdec_nope"], timeout_s=0.1, poll_s=0.05)
+
+    # Fixed worker ports for non-loopback binds (the NetworkPolicy opens only those); free ports on loopback.
+    monkeypatch.delenv(ray_actors.TARGET_PORT_ENV, raising=False)
+    monkeypatch.setenv(ray_actors.DRAFT_PORT_ENV, "50072")
+    assert ray_actors.worker_port(ray_actors.TARGET_PORT_ENV, 50061, "node-ip") == 50061
+    assert ray_actors.worker_port(ray_actors.DRAFT_PORT_ENV, 50062, "0.0.0.0") == 50072
+    assert ray_actors.worker_port(ray_actors.DRAFT_PORT_ENV, 50062, "127.0.0.1") not in (50072, 50062, 0)
+
+
+def test_grpc_clients_after_a_worker_restart_or_move():
+    """No Ray: a target stream that died between rounds fails only rounds that continue requests;
+    the restarted worker gets first rounds on a fresh stream; a worker that moved is followed."""
+    from coordinator.errors import WorkerUnavailable
+    from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
+    from draft_worker import grpc_server as draft_server
+    from draft_worker.worker import DraftWorker, build_drafter
+    from specdec.round_types import DraftTask, VerifyOutcome, VerifyResult, VerifyTask
+    from target_worker import grpc_server as target_server
+
+    greedy = SamplingParams()
+
+    class FakeTarget:
+        def verify(self, tasks, finished):
+            return VerifyResult([VerifyOutcome(t.req_id, 0, [1]) for t in tasks], 0, 8)
+
+    def wait_broken(client):
+        end = time.monotonic() + 5
+        while not client._call.done():
+            assert time.monotonic() < end
+            time.sleep(0.02)
+
+    server, port = target_server.serve(FakeTarget())
+    client = GrpcTargetClient(f"127.0.0.1:{port}")
+    try:
+        assert client.verify([VerifyTask("a", [1, 2], [], None, greedy)], []).outcomes[0].tokens == [1]
+        for _ in range(2):  # the worker restarts between rounds, on the same address
+            server.stop(None).wait()
+            wait_broken(client)
+            server, _ = target_server.serve(FakeTarget(), f"127.0.0.1:{port}")
+            client.verify([VerifyTask("b", [1], [], None, greedy)], [])  # opens a stream, then breaks it
+            server.stop(None).wait()
+            wait_broken(client)
+            server, _ = target_server.serve(FakeTarget(), f"127.0.0.1:{port}")
+            with pytest.raises(WorkerUnavailable, match="target worker unavailable .*lost since the last round"):
+                client.verify([VerifyTask("b", [], [], None, greedy)], [])  # continues b: its state is gone
+            # First rounds only (each carries its prompt): sent on a fresh stream right away.
+            assert client.verify([VerifyTask("c", [1, 2], [], None, greedy)], ["b"]).outcomes[0].req_id == "c"
+            assert client.address == f"127.0.0.1:{port}"
+    finally:
+        client.close()
+        server.stop(None)
+
+    first, first_port = draft_server.serve(DraftWorker(build_drafter("ngram")))
+    current = {"address": f"127.0.0.1:{first_port}"}
+    draft = GrpcDraftClient(current["address"])
+    draft.resolve_address = lambda: current["address"]
+    second = None
+    try:
+        draft.propose([DraftTask("a", [1, 2, 1, 2], 2, greedy)], [])
+        first.stop(None).wait()
+        second, second_port = draft_server.serve(DraftWorker(build_drafter("ngram")))  # restarted elsewhere
+        current["address"] = f"127.0.0.1:{second_port}"
+        with pytest.raises(WorkerUnavailable, match=f"draft worker unavailable .*127.0.0.1:{first_port}"):
+            draft.propose([DraftTask("a", [1], 2, greedy)], [])
+        draft.propose([DraftTask("a", [1], 2, greedy)], [])  # unknown to the new worker: a fresh sequence
+        assert draft.address == current["address"]
+    finally:
+        draft.close()
+        first.stop(None)
+        if second is not None:
+            second.stop(None)
+
+
+def test_serve_waits_for_worker_nodes_and_never_shares_a_gpu_there(deployment, monkeypatch):
+    from argparse import Namespace
+
+    from coordinator import ray_actors
+    from coordinator.serve_command import ServeError, _plan_gpus
+
+    args = Namespace(device="cuda", worker_wait=0.1)
+    # specdec_* resources present and the worker nodes joined: one GPU each, no waiting.
+    assert _plan_gpus(ray, args, "/models/draft", started=False) is None
+    # A cluster that lacks a worker group's resource: a clear error after --worker-wait.
+    real = ray.cluster_resources
+    monkeypatch.setattr(ray, "cluster_resources",
+                        lambda: {k: v for k, v in real().items() if k != ray_actors.DRAFT_RESOURCE})
+    with pytest.raises(ServeError, match="specdec_draft .*worker pods"):
+        _plan_gpus(ray, args, "/models/draft", started=False)
+    assert _plan_gpus(ray, args, "ngram", started=False) is None  # n-gram drafting needs no draft node

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": ("coordinator.serve_command", "start the service (Ray + gRPC); no arguments = embedded default"),
     "generate": ("specdec.client_command", "stream a completion from a running server to the terminal"),
     "bench": ("specdec.bench.command", "benchmark speculative vs plain decoding and Hugging Face"),
+    "loadtest": ("specdec.loadtest", "bounded concurrent-stream load test: latency, throughput, no loss, KV freed"),
 }
 
 

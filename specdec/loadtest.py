@@ -1,0 +1,521 @@
+"""`specdec loadtest`: a bounded load test of the Generation service on loopback.
+
+Opens N concurrent Generate streams (default 64 x 200 tokens, ignore_eos), cancels a fraction of
+them after a random number of tokens, and checks that:
+
+- every stream ends exactly once: a non-cancelled stream ends with a finish_reason on its last
+  message and exactly max_new_tokens tokens (and the server's stats agree with the client's count);
+  a cancelled stream ends with CANCELLED; nothing arrives after a finish; no stream is missing;
+- with --verify-sample N, N completed streams replayed one at a time produce the same tokens
+  (seeded sampling and greedy decoding do not depend on batching), which catches streams that
+  received another stream's tokens;
+- with --embedded, after the run every KV block of the target (and of the draft model) is free and
+  the engine holds no request.
+
+It reports throughput (generated tokens per second of wall time), p50/p99 time to first token,
+inter-token latency per message and per token, the stream counts and the KV blocks still used.
+The exit status is 0 only if every check passed.
+
+  specdec loadtest --address 127.0.0.1:50051
+  specdec loadtest --embedded --target models/target --draft models/draft --streams 64 --json out.json
+
+Everything stays bounded: --streams calls at most, --timeout seconds at most (hard), and in
+embedded mode the server binds 127.0.0.1 on a free port and stops at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+WORDS = ("the quick brown fox jumps over the lazy dog speculative decoding drafts tokens and the target "
+         "verifies them hello world stream text back to client").split()
+
+
+# --- configuration and results -------------------------------------------------------------
+
+
+@dataclass
+class LoadConfig:
+    streams: int = 64
+    max_new_tokens: int = 200
+    cancel_fraction: float = 0.1
+    temperature: float | None = None
+    seed: int = 0
+    timeout: float = 300.0
+    num_speculative_tokens: int | None = None
+    vocab_size: int | None = None  # set: prompts are random token ids in [0, vocab_size) instead of text
+    prompt_words: int = 8
+    verify_sample: int = 0
+    progress: bool = False
+    token: str | None = None
+
+
+@dataclass
+class StreamRecord:
+    index: int
+    tag: str
+    prompt: object  # str or list[int]
+    seed: int
+    cancel_after: int | None  # cancel once this many tokens arrived (0: at once; None: run to the end)
+    token_ids: list[int] = field(default_factory=list)
+    messages: int = 0  # messages carrying tokens
+    finish_messages: int = 0
+    messages_after_finish: int = 0
+    finish_reason: str = ""
+    stats_generated: int | None = None
+    stats_prompt_tokens: int | None = None
+    status: str = "pending"  # completed | cancelled | failed | pending
+    error: str = ""
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between token-bearing messages
+    gaps_per_token: list[float] = field(default_factory=list)
+    verified: bool = False  # replayed alone (--verify-sample)
+    replay_error: str = ""
+
+
+@dataclass
+class LoadReport:
+    streams: int
+    max_new_tokens: int
+    completed: int
+    cancelled: int
+    failed: int
+    missing: int
+    generated_tokens: int
+    wall_seconds: float
+    throughput_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_message_p50_ms: float | None
+    itl_message_p99_ms: float | None
+    itl_token_p50_ms: float | None
+    itl_token_p99_ms: float | None
+    kv_blocks_used_target: int | None = None
+    kv_blocks_used_draft: int | None = None
+    verified_streams: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000.0
+
+
+# --- the streams ---------------------------------------------------------------------------
+
+
+def make_streams(cfg: LoadConfig, run_id: str) -> list[StreamRecord]:
+    rng = random.Random(cfg.seed)
+    n_cancel = min(cfg.streams, int(round(cfg.streams * cfg.cancel_fraction)))
+    cancelled = set(rng.sample(range(cfg.streams), n_cancel))
+    records = []
+    for i in range(cfg.streams):
+        tag = f"{run_id}-{i}"
+        if cfg.vocab_size:
+            # Distinct by construction: the first two ids encode i; lengths vary with i too.
+            v = cfg.vocab_size
+            prompt = [i % v, (i // v) % v] + [rng.randrange(v) for _ in range(cfg.prompt_words + i % 5)]
+        else:
+            words = [rng.choice(WORDS) for _ in range(cfg.prompt_words + i % 5)]
+            prompt = f"request {tag}: " + " ".join(words)
+        cancel_after = rng.randint(0, cfg.max_new_tokens - 1) if i in cancelled else None
+        if n_cancel >= 2 and i == min(cancelled):
+            cancel_after = 0  # one stream always leaves before its first message
+        records.append(StreamRecord(index=i, tag=tag, prompt=prompt, seed=cfg.seed * 100_003 + i,
+                                    cancel_after=cancel_after))
+    return records
+
+
+def _request(cfg: LoadConfig, rec: StreamRecord):
+    from specdec.client import build_request
+
+    return build_request(rec.prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                         seed=rec.seed, ignore_eos=True, num_speculative_tokens=cfg.num_speculative_tokens)
+
+
+async def _run_stream(stub, cfg: LoadConfig, rec: StreamRecord, metadata, deadline: float, on_tokens) -> None:
+    import grpc
+
+    start = time.perf_counter()
+    last = None
+    call = stub.Generate(_request(cfg, rec), timeout=max(0.1, deadline - time.monotonic()), metadata=metadata)
+    try:
+        if rec.cancel_after == 0:  # gone before the first message: the request may still be queued
+            await asyncio.sleep(0.01)
+            call.cancel()
+            rec.status = "cancelled"
+            return
+        async for response in call:
+            now = time.perf_counter()
+            if rec.finish_reason:
+                rec.messages_after_finish += 1
+            n = len(response.token_ids)
+            if n:
+                rec.messages += 1
+                if last is None:
+                    rec.ttft = now - start
+                else:
+                    rec.gaps.append(now - last)
+                    rec.gaps_per_token.append((now - last) / n)
+                last = now
+                rec.token_ids.extend(response.token_ids)
+                on_tokens(n)
+            if response.finish_reason:
+                rec.finish_messages += 1
+                rec.finish_reason = response.finish_reason
+                rec.stats_generated = response.stats.generated_tokens
+                rec.stats_prompt_tokens = response.stats.prompt_tokens
+            if rec.cancel_after is not None and not rec.finish_reason and len(rec.token_ids) >= rec.cancel_after:
+                call.cancel()
+                rec.status = "cancelled"
+                break
+        if rec.status != "cancelled":
+            rec.status = "completed"
+    except asyncio.CancelledError:
+        if rec.status != "cancelled":  # the run's hard timeout
+            call.cancel()
+            rec.status, rec.error = "failed", "cancelled by the load test's timeout"
+            raise
+    except grpc.RpcError as e:
+        rec.status = "failed"
+        rec.error = f"{e.code().name}: {e.details()}"
+
+
+def _check_stream(cfg: LoadConfig, rec: StreamRecord) -> list[str]:
+    problems = []
+    n = len(rec.token_ids)
+    if rec.messages_after_finish:
+        problems.append(f"{rec.messages_after_finish} message(s) after the finish message")
+    if rec.finish_messages > 1:
+        problems.append(f"{rec.finish_messages} finish messages")
+    if rec.status == "completed":
+        if not rec.finish_reason:
+            problems.append("the stream ended without a finish_reason")
+        elif rec.finish_reason != "length":
+            problems.append(f"finish_reason {rec.finish_reason!r}, expected 'length' (ignore_eos)")
+        if n != cfg.max_new_tokens:
+            problems.append(f"{n} tokens, expected exactly {cfg.max_new_tokens}")
+        if rec.stats_generated is not None and rec.stats_generated != n:
+            problems.append(f"the server counted {rec.stats_generated} generated tokens, the client {n}")
+        if isinstance(rec.prompt, list) and rec.stats_prompt_tokens is not None \
+                and rec.stats_prompt_tokens != len(rec.prompt):
+            problems.append(f"the server saw a {rec.stats_prompt_tokens}-token prompt, the client sent "
+                            f"{len(rec.prompt)} tokens (streams mixed up?)")
+    elif rec.status == "cancelled":
+        if n > cfg.max_new_tokens:
+            problems.append(f"{n} tokens before the cancel, more than max_new_tokens={cfg.max_new_tokens}")
+    elif rec.status == "failed":
+        problems.append(f"failed: {rec.error}")
+    else:
+        problems.append("never finished (lost)")
+    return [f"stream {rec.tag}: {p}" for p in problems]
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.done = 0
+        self._last = 0.0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and now - self._last > 0.2:
+            self._last = now
+            self.draw()
+
+    def draw(self, end: bool = False) -> None:
+        if not self.enabled:
+            return
+        frac = min(1.0, self.done / self.total) if self.total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} tokens ({frac:5.1%})" + ("\n" if end else ""))
+        sys.stderr.flush()
+
+
+async def _run_all(address: str, cfg: LoadConfig, records: list[StreamRecord]) -> float:
+    import grpc
+
+    from specdec.client import _MAX_MESSAGE_BYTES
+    from specdec.v1 import generation_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else None
+    options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+    progress = _Progress(cfg.streams * cfg.max_new_tokens, cfg.progress)
+    deadline = time.monotonic() + cfg.timeout
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout=min(cfg.timeout, 30.0))
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"server not reachable at {address}") from None
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(_run_stream(stub, cfg, r, metadata, deadline, progress.add)) for r in records]
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        progress.draw(end=True)
+        if cfg.verify_sample:
+            await _verify(stub, cfg, records, metadata, deadline)
+    return wall
+
+
+async def _verify(stub, cfg: LoadConfig, records: list[StreamRecord], metadata, deadline: float) -> None:
+    """Replay some completed streams one at a time; their tokens must be the same."""
+    import grpc
+
+    done = [r for r in records if r.status == "completed" and len(r.token_ids) == cfg.max_new_tokens]
+    for rec in random.Random(cfg.seed + 1).sample(done, min(cfg.verify_sample, len(done))):
+        tokens: list[int] = []
+        try:
+            call = stub.Generate(_request(cfg, rec), timeout=max(0.1, deadline - time.monotonic()),
+                                 metadata=metadata)
+            async for response in call:
+                tokens.extend(response.token_ids)
+        except grpc.RpcError as e:
+            rec.replay_error = f"replay failed: {e.code().name}: {e.details()}"
+        else:
+            if tokens != rec.token_ids:
+                rec.replay_error = "replayed alone it produced other tokens (streams mixed up?)"
+        rec.verified = True
+
+
+def build_report(cfg: LoadConfig, records: list[StreamRecord], wall: float) -> LoadReport:
+    failures: list[str] = []
+    tags = [r.tag for r in records]
+    if len(set(tags)) != len(tags):
+        failures.append("duplicate stream tags")
+    for rec in records:
+        failures.extend(_check_stream(cfg, rec))
+        if rec.replay_error:
+            failures.append(f"stream {rec.tag}: {rec.replay_error}")
+    count = {s: sum(r.status == s for r in records) for s in ("completed", "cancelled", "failed", "pending")}
+    ttft = [r.ttft for r in records if r.ttft is not None]
+    gaps = [g for r in records for g in r.gaps]
+    gaps_tok = [g for r in records for g in r.gaps_per_token]
+    generated = sum(len(r.token_ids) for r in records)
+    if count["completed"] and not ttft:
+        failures.append("no time to first token was measured")
+    return LoadReport(
+        streams=cfg.streams, max_new_tokens=cfg.max_new_tokens, completed=count["completed"],
+        cancelled=count["cancelled"], failed=count["failed"], missing=count["pending"],
+        generated_tokens=generated, wall_seconds=wall,
+        throughput_tokens_per_s=generated / wall if wall > 0 else 0.0,
+        ttft_p50_ms=_ms(percentile(ttft, 50)), ttft_p99_ms=_ms(percentile(ttft, 99)),
+        itl_message_p50_ms=_ms(percentile(gaps, 50)), itl_message_p99_ms=_ms(percentile(gaps, 99)),
+        itl_token_p50_ms=_ms(percentile(gaps_tok, 50)), itl_token_p99_ms=_ms(percentile(gaps_tok, 99)),
+        verified_streams=sum(r.verified and not r.replay_error for r in records),
+        failures=failures)
+
+
+def run_load(address: str, cfg: LoadConfig) -> LoadReport:
+    """Run the load against a server at `address` and check every stream (not the KV cache)."""
+    records = make_streams(cfg, uuid.uuid4().hex[:6])
+    wall = asyncio.run(_run_all(address, cfg, records))
+    return build_report(cfg, records, wall)
+
+
+# --- embedded: a server of our own, so the KV cache can be checked -------------------------
+
+
+def _kv_used(factory) -> tuple[int, int | None]:
+    target = factory.target_worker.cache.allocator.num_used
+    draft = None
+    worker = factory.draft_worker
+    runner = getattr(getattr(worker, "drafter", None), "runner", None) if worker is not None else None
+    if runner is not None:
+        draft = runner.cache.allocator.num_used
+    return target, draft
+
+
+def run_embedded(target: str, draft: str | None, cfg: LoadConfig, num_speculative_tokens: int = 5,
+                 device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
+                 kv_cache_blocks: int | None = None, kv_block_size: int = 16,
+                 settle_s: float = 10.0) -> LoadReport:
+    """Start a server on 127.0.0.1:0 with in-process workers, run the load, then check that every
+    KV block is free and the engine holds no request. `draft`: None, "ngram" or a directory."""
+    from coordinator.embedded import build_local_scheduler
+    from coordinator.server import run_server_in_thread
+
+    config = json.loads((Path(target) / "config.json").read_text())
+    if kv_cache_blocks is None:  # room for max_batch_size full-length sequences, so the batch is never short of blocks
+        kv_cache_blocks = max_batch_size * (-(-int(config["max_position_embeddings"]) // kv_block_size) + 1)
+    factory, tokenizer = build_local_scheduler(target, draft, num_speculative_tokens, device, dtype,
+                                               max_batch_size, kv_cache_blocks, kv_block_size)
+    if tokenizer is None and not cfg.vocab_size:
+        cfg.vocab_size = int(config["vocab_size"])
+    with run_server_in_thread(factory, tokenizer, address="127.0.0.1:0", grace_s=1.0) as handle:
+        report = run_load(f"127.0.0.1:{handle.port}", cfg)
+        engine = handle.server.engine
+        end = time.monotonic() + settle_s
+        while time.monotonic() < end:  # releases reach the workers on the engine's next pass
+            sched = engine.scheduler
+            idle = engine.num_active == 0 and not sched.running and not sched.waiting \
+                and handle.server.servicer.in_flight == 0
+            if idle and _kv_used(factory) in ((0, None), (0, 0)):
+                break
+            time.sleep(0.01)
+        target_used, draft_used = _kv_used(factory)
+        sched = engine.scheduler
+        if engine.num_active or sched.running or sched.waiting:
+            report.failures.append(f"the engine still holds requests after the run: {engine.num_active} streams, "
+                                   f"{len(sched.running)} running, {len(sched.waiting)} waiting")
+    # The engine thread has stopped: the caches can be audited without racing it.
+    for name, cache in (("target", factory.target_worker.cache),
+                        ("draft", getattr(getattr(factory.draft_worker, "drafter", None), "runner", None))):
+        cache = getattr(cache, "cache", cache)
+        if cache is not None:
+            try:
+                cache.check_accounting()
+            except Exception as e:  # noqa: BLE001 - reported as a failed check
+                report.failures.append(f"{name} KV-cache accounting: {e}")
+    report.kv_blocks_used_target, report.kv_blocks_used_draft = target_used, draft_used
+    if target_used:
+        report.failures.append(f"{target_used} target KV blocks still in use after every stream ended")
+    if draft_used:
+        report.failures.append(f"{draft_used} draft KV blocks still in use after every stream ended")
+    return report
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+def format_report(r: LoadReport) -> str:
+    def f(x, unit=""):
+        return "n/a" if x is None else f"{x:.2f}{unit}"
+
+    rows = [
+        ("streams", f"{r.streams} x {r.max_new_tokens} tokens"),
+        ("completed / cancelled / failed / missing", f"{r.completed} / {r.cancelled} / {r.failed} / {r.missing}"),
+        ("generated tokens", str(r.generated_tokens)),
+        ("wall time", f(r.wall_seconds, " s")),
+        ("throughput", f(r.throughput_tokens_per_s, " tokens/s")),
+        ("time to first token p50 / p99", f"{f(r.ttft_p50_ms)} / {f(r.ttft_p99_ms)} ms"),
+        ("inter-token latency per message p50 / p99", f"{f(r.itl_message_p50_ms)} / {f(r.itl_message_p99_ms)} ms"),
+        ("inter-token latency per token p50 / p99", f"{f(r.itl_token_p50_ms)} / {f(r.itl_token_p99_ms)} ms"),
+        ("KV blocks used after (target / draft)",
+         "n/a (remote server)" if r.kv_blocks_used_target is None and r.kv_blocks_used_draft is None
+         else f"{r.kv_blocks_used_target} / {'n/a' if r.kv_blocks_used_draft is None else r.kv_blocks_used_draft}"),
+        ("streams replayed alone and equal", str(r.verified_streams)),
+        ("checks", "PASS" if r.ok else f"FAIL ({len(r.failures)})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for failure in r.failures[:20]:
+        lines.append(f"  - {failure}")
+    if len(r.failures) > 20:
+        lines.append(f"  ... and {len(r.failures) - 20} more")
+    return "\n".join(lines)
+
+
+# --- the subcommand ------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    parser.add_argument("--address", default="127.0.0.1:50051", help="server host:port (default %(default)s)")
+    parser.add_argument("--token", default=None, help="bearer token for an authenticated server")
+    parser.add_argument("--streams", type=int, default=64, help="concurrent Generate streams (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens per stream (default %(default)s)")
+    parser.add_argument("--cancel-fraction", type=float, default=0.1,
+                        help="fraction of streams cancelled after a random number of tokens, 0 to "
+                             "max-new-tokens - 1 (default %(default)s)")
+    parser.add_argument("--temperature", type=float, default=None, help="unset or 0: greedy")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts, the cancel points and each stream")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="K per request (default: server's)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="hard bound on the run, seconds")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="send random token-id prompts in [0, N) instead of text (servers without a tokenizer)")
+    parser.add_argument("--verify-sample", type=int, default=0,
+                        help="replay N completed streams one at a time and require the same tokens")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    e = parser.add_argument_group("embedded server (checks the KV cache after the run)")
+    e.add_argument("--embedded", action="store_true", help="start a server on 127.0.0.1:0 in this process")
+    e.add_argument("--target", default=None, help="target checkpoint directory (with --embedded)")
+    e.add_argument("--draft", default="none", help="draft directory, 'ngram' or 'none' (default %(default)s)")
+    e.add_argument("-k", "--server-k", type=int, default=5, help="the server's default K (default %(default)s)")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--max-batch-size", type=int, default=64)
+    e.add_argument("--kv-cache-blocks", type=int, default=None)
+    e.add_argument("--kv-block-size", type=int, default=16)
+
+
+def config_from_args(args) -> LoadConfig:
+    return LoadConfig(streams=args.streams, max_new_tokens=args.max_new_tokens, cancel_fraction=args.cancel_fraction,
+                      temperature=args.temperature, seed=args.seed, timeout=args.timeout,
+                      num_speculative_tokens=args.num_speculative_tokens, vocab_size=args.vocab_size,
+                      verify_sample=args.verify_sample, progress=not args.no_progress and sys.stderr.isatty(),
+                      token=args.token)
+
+
+def _bad_args(args) -> str | None:
+    if not 1 <= args.streams <= 10_000:
+        return "--streams must be between 1 and 10000"
+    if args.max_new_tokens < 1:
+        return "--max-new-tokens must be >= 1"
+    if not 0.0 <= args.cancel_fraction <= 1.0:
+        return "--cancel-fraction must be in [0, 1]"
+    if not args.timeout > 0:
+        return "--timeout must be > 0"
+    if args.embedded and not args.target:
+        return "--embedded needs --target DIR"
+    if args.verify_sample < 0:
+        return "--verify-sample must be >= 0"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _bad_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    cfg = config_from_args(args)
+    try:
+        if args.embedded:
+            draft = None if args.draft.lower() == "none" else args.draft
+            report = run_embedded(args.target, draft, cfg, args.server_k, args.device, args.dtype,
+                                  args.max_batch_size, args.kv_cache_blocks, args.kv_block_size)
+        else:
+            report = run_load(args.address, cfg)
+    except ConnectionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_dict(), fh, indent=2)
+            fh.write("\n")
+    return 0 if report.ok else 1

@@ -11,6 +11,9 @@ public server's EngineLoop runs after every round. It records:
   `coordinator` = round time minus the two worker calls (scheduling, stop strings, streaming)
 - queue depth, running requests, KV blocks used / total / usage fraction (gauges)
 - finished requests by reason (counter, tag `reason`) and per-request acceptance (histogram)
+- bytes on the wire to and from the workers, when the scheduler's clients count them (the gRPC
+  clients do, in-process ones do not): per round (histogram and last-round gauges, tags
+  `direction` = sent | received and `worker` = draft | target | all) and cumulative (counter)
 
 Without Ray (embedded server, unit tests) nothing is exported and the callback only keeps the
 cheap in-process totals of `snapshot()`. It never imports Ray itself and never raises into the
@@ -28,6 +31,36 @@ log = logging.getLogger(__name__)
 
 LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 RATE_BOUNDARIES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+WIRE_BYTES_BOUNDARIES = [64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216]
+WORKERS = ("draft", "target")
+
+
+class WireBytes:
+    """Per-round bytes on the wire, from the cumulative `bytes_sent` / `bytes_received` of the
+    scheduler's worker clients (coordinator.grpc_clients). Deltas of cumulative counters stay
+    exact when a client sat a round out (its `last_round_*` would then be stale)."""
+
+    def __init__(self):
+        self._last: dict[str, tuple[int, int, int]] = {}  # worker -> (client id, sent, received)
+
+    @staticmethod
+    def available(scheduler) -> bool:
+        return any(hasattr(getattr(scheduler, w, None), "bytes_sent") for w in WORKERS)
+
+    def delta(self, scheduler) -> dict[str, tuple[int, int]] | None:
+        """{worker: (sent, received)} since the previous call; None if no client counts bytes."""
+        out: dict[str, tuple[int, int]] = {}
+        for worker in WORKERS:
+            client = getattr(scheduler, worker, None)
+            if client is None or not hasattr(client, "bytes_sent"):
+                continue
+            sent, received = int(client.bytes_sent), int(client.bytes_received)
+            key, prev_sent, prev_received = self._last.get(worker, (id(client), 0, 0))
+            if key != id(client):  # a new client object: its counters start at zero
+                prev_sent = prev_received = 0
+            self._last[worker] = (id(client), sent, received)
+            out[worker] = (max(sent - prev_sent, 0), max(received - prev_received, 0))
+        return out or None
 
 
 def ray_is_initialized() -> bool:
@@ -69,6 +102,16 @@ class _RayInstruments:
                                        "network, coordinator, total)", LATENCY_BOUNDARIES_S, ("phase",))
         self.request_acceptance = histogram("specdec_request_acceptance_rate",
                                             "Acceptance rate of each finished request", RATE_BOUNDARIES)
+        wire_keys = ("deployment", "direction", "worker")
+        self.wire_bytes = m.Counter("specdec_wire_bytes", "Worker payload bytes on the wire (protobuf), by "
+                                    "direction (sent/received) and worker (draft/target)",
+                                    tag_keys=wire_keys).set_default_tags(tags)
+        self.wire_bytes_last_round = m.Gauge("specdec_wire_bytes_last_round", "Worker payload bytes of the last "
+                                             "round, by direction and worker (all = both workers)",
+                                             tag_keys=wire_keys).set_default_tags(tags)
+        self.wire_bytes_per_round = histogram("specdec_wire_bytes_per_round", "Worker payload bytes per round, by "
+                                              "direction and worker (all = both workers)", WIRE_BYTES_BOUNDARIES,
+                                              ("direction", "worker"))
 
 
 _INSTRUMENTS: dict[str, _RayInstruments] = {}
@@ -116,7 +159,9 @@ class RoundMetrics:
         self._failed_once = False
         self.totals = {"generated_tokens": 0, "proposed": 0, "accepted": 0, "rounds": 0, "finished": {},
                        "round_seconds": {}, "queue_depth": 0, "running": 0, "kv_blocks_used": 0,
-                       "kv_blocks_total": 0}
+                       "kv_blocks_total": 0, "wire_bytes": {}, "wire_bytes_last_round": {}}
+        self._wire = WireBytes()
+        self._wire_pending: dict[str, tuple[int, int]] = {}
         export = ray_is_initialized() if export is None else export
         self._ray = _instruments(deployment) if export else None
         self._stop = threading.Event()
@@ -175,6 +220,17 @@ class RoundMetrics:
         kv_used = getattr(scheduler, "kv_blocks_used", 0)
         target_info = getattr(scheduler, "target_info", None)
         kv_total = getattr(target_info, "kv_blocks_total", 0) if target_info is not None else 0
+        # Bytes of passes without a round (releases only) count in the totals at once and in the
+        # per-round figures of the next round.
+        wire = self._wire.delta(scheduler)
+        round_wire = None
+        if wire is not None:
+            for worker, (sent, received) in wire.items():
+                p_sent, p_received = self._wire_pending.get(worker, (0, 0))
+                self._wire_pending[worker] = (p_sent + sent, p_received + received)
+            if new_round:
+                round_wire, self._wire_pending = self._wire_pending, {}
+                round_wire["all"] = (sum(v[0] for v in round_wire.values()), sum(v[1] for v in round_wire.values()))
 
         with self._lock:
             t = self.totals
@@ -188,6 +244,12 @@ class RoundMetrics:
                 t["round_seconds"][phase] = seconds
             t["queue_depth"], t["running"] = queue_depth, len(running)
             t["kv_blocks_used"], t["kv_blocks_total"] = kv_used, kv_total
+            for worker, (sent, received) in (wire or {}).items():
+                total = t["wire_bytes"].setdefault(worker, {"sent": 0, "received": 0})
+                total["sent"] += sent
+                total["received"] += received
+            for worker, (sent, received) in (round_wire or {}).items():
+                t["wire_bytes_last_round"][worker] = {"sent": sent, "received": received}
             self._tokens.add(now, generated)
             self._accept.add(now, accepted, proposed)
 
@@ -208,6 +270,15 @@ class RoundMetrics:
                 r.request_acceptance.observe(rate)
         for phase, seconds in phases.items():
             r.round_seconds.observe(seconds, tags={"phase": phase})
+        for worker, values in (wire or {}).items():
+            for direction, n in zip(("sent", "received"), values):
+                if n:
+                    r.wire_bytes.inc(n, tags={"direction": direction, "worker": worker})
+        for worker, values in (round_wire or {}).items():
+            for direction, n in zip(("sent", "received"), values):
+                tags = {"direction": direction, "worker": worker}
+                r.wire_bytes_last_round.set(n, tags=tags)
+                r.wire_bytes_per_round.observe(n, tags=tags)
         r.queue_depth.set(queue_depth)
         r.running.set(len(running))
         r.kv_used.set(kv_used)
@@ -248,7 +319,8 @@ class RoundMetrics:
         """In-process totals (also without Ray): counters, last round's phases, gauges, rates."""
         now = time.monotonic()
         with self._lock:
-            snap = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.totals.items()}
+            snap = {k: ({kk: (dict(vv) if isinstance(vv, dict) else vv) for kk, vv in v.items()}
+                        if isinstance(v, dict) else v) for k, v in self.totals.items()}
             tokens, _, span = self._tokens.sums(now)
             accepted, proposed, _ = self._accept.sums(now)
         snap["tokens_per_second"] = tokens / span

@@ -411,7 +411,8 @@ def main(argv=None):
           f"({n_train_chars / len(train_data):.2f} chars/token) in {time.time() - t0:.0f}s", flush=True)
     windows = eval_windows(held_data, args.eval_windows, args.seq_len)
 
-    n_prompts = write_prompts(out / "heldout_prompts.jsonl", held_docs, tok, args.n_prompts, args.seed)
+    # fixed seed: the prompt set does not depend on --seed (stable across retrains)
+    n_prompts = write_prompts(out / "heldout_prompts.jsonl", held_docs, tok, args.n_prompts, 0)
     with open(out / "heldout_files.txt", "w") as f:
         f.write("".join(r + "\n" for r, _ in held_docs))
     print(f"wrote {n_prompts} held-out prompts", flush=True)

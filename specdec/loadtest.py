@@ -14,10 +14,15 @@ them after a random number of tokens, and checks that:
 
 It reports throughput (generated tokens per second of wall time), p50/p99 time to first token,
 inter-token latency per message and per token, the stream counts and the KV blocks still used.
+With --embedded --grpc-workers the draft and target workers are served over loopback gRPC (as in a
+deployment, minus the network) and the report adds the bytes on the wire per round: mean and p99 of
+sent + received per round, split draft / target, and per generated token (protobuf payload bytes
+of the Rounds messages; gRPC framing adds 5 bytes per message).
 The exit status is 0 only if every check passed.
 
   specdec loadtest --address 127.0.0.1:50051
   specdec loadtest --embedded --target models/target --draft models/draft --streams 64 --json out.json
+  specdec loadtest --embedded --grpc-workers --target models/target --draft models/draft --temperature 0.8
 
 Everything stays bounded: --streams calls at most, --timeout seconds at most (hard), and in
 embedded mode the server binds 127.0.0.1 on a free port and stops at the end.
@@ -102,6 +107,7 @@ class LoadReport:
     kv_blocks_used_draft: int | None = None
     verified_streams: int = 0
     failures: list[str] = field(default_factory=list)
+    wire: dict | None = None  # bytes on the wire per round (--grpc-workers), see WireRecorder.summary
 
     @property
     def ok(self) -> bool:
@@ -348,6 +354,58 @@ def run_load(address: str, cfg: LoadConfig) -> LoadReport:
 # --- embedded: a server of our own, so the KV cache can be checked -------------------------
 
 
+class WireRecorder:
+    """The server's on_round hook: bytes on the wire of every round, per worker (gRPC clients)."""
+
+    def __init__(self):
+        from coordinator.metrics import WireBytes
+
+        self._bytes = WireBytes()
+        self._last_rounds = 0  # scheduler.total_rounds starts at 0
+        self.rounds: list[dict] = []  # {"draft": sent+received, "target": ..., "sent", "received", "tokens"}
+        self.rpcs: dict[str, int] = {}  # Rounds messages per worker (client `rounds` counters)
+
+    def __call__(self, scheduler, updates, round_seconds=None) -> None:
+        total = getattr(scheduler, "total_rounds", None)
+        if total is not None and total == self._last_rounds:
+            return  # no round ran (nothing due); its bytes, if any, count towards the next round
+        self._last_rounds = total
+        delta = self._bytes.delta(scheduler)
+        if delta is None:
+            return
+        row = {"tokens": sum(len(u.token_ids) for u in updates), "sent": 0, "received": 0}
+        for worker, (sent, received) in delta.items():
+            row[worker] = sent + received
+            row["sent"] += sent
+            row["received"] += received
+            self.rpcs[worker] = int(getattr(getattr(scheduler, worker), "rounds", 0))
+        self.rounds.append(row)
+
+    def summary(self) -> dict | None:
+        if not self.rounds:
+            return None
+        rows = self.rounds
+        tokens = sum(r["tokens"] for r in rows)
+
+        def stats(key):
+            values = [float(r.get(key, 0)) for r in rows]
+            return {"mean": sum(values) / len(values), "p99": percentile(values, 99), "total": int(sum(values))}
+
+        per_round = [float(r["sent"] + r["received"]) for r in rows]
+        total = sum(per_round)
+        return {
+            "rounds": len(rows),
+            "generated_tokens": tokens,
+            "bytes_per_round": {"mean": total / len(rows), "p99": percentile(per_round, 99), "total": int(total)},
+            "sent_per_round": stats("sent"),
+            "received_per_round": stats("received"),
+            "draft_per_round": stats("draft"),
+            "target_per_round": stats("target"),
+            "bytes_per_token": total / tokens if tokens else None,
+            "rpcs_per_worker": dict(self.rpcs),
+        }
+
+
 def _kv_used(factory) -> tuple[int, int | None]:
     target = factory.target_worker.cache.allocator.num_used
     draft = None
@@ -361,20 +419,60 @@ def _kv_used(factory) -> tuple[int, int | None]:
 def run_embedded(target: str, draft: str | None, cfg: LoadConfig, num_speculative_tokens: int = 5,
                  device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
                  kv_cache_blocks: int | None = None, kv_block_size: int = 16,
-                 settle_s: float = 10.0) -> LoadReport:
+                 settle_s: float = 10.0, grpc_workers: bool = False) -> LoadReport:
     """Start a server on 127.0.0.1:0 with in-process workers, run the load, then check that every
-    KV block is free and the engine holds no request. `draft`: None, "ngram" or a directory."""
-    from coordinator.embedded import build_local_scheduler
+    KV block is free and the engine holds no request. `draft`: None, "ngram" or a directory.
+    `grpc_workers`: serve the workers over loopback gRPC and report bytes on the wire per round."""
     from coordinator.server import run_server_in_thread
 
     config = json.loads((Path(target) / "config.json").read_text())
     if kv_cache_blocks is None:  # room for max_batch_size full-length sequences, so the batch is never short of blocks
         kv_cache_blocks = max_batch_size * (-(-int(config["max_position_embeddings"]) // kv_block_size) + 1)
-    factory, tokenizer = build_local_scheduler(target, draft, num_speculative_tokens, device, dtype,
-                                               max_batch_size, kv_cache_blocks, kv_block_size)
+    servers: list = []
+    recorder = None
+    if grpc_workers:
+        from coordinator.embedded import build_grpc_scheduler
+        from coordinator.engine import build_local_workers
+        from draft_worker import grpc_server as draft_server
+        from target_worker import grpc_server as target_server
+
+        target_worker, draft_worker = build_local_workers(target, draft, device, dtype, kv_cache_blocks,
+                                                          kv_block_size)
+        tserver, tport = target_server.serve(target_worker)
+        servers.append(tserver)
+        draft_address = None
+        if draft_worker is not None:
+            dserver, dport = draft_server.serve(draft_worker)
+            servers.append(dserver)
+            draft_address = f"127.0.0.1:{dport}"
+        factory = build_grpc_scheduler(draft_address, f"127.0.0.1:{tport}", target, num_speculative_tokens,
+                                       max_batch_size)
+        factory.target_worker, factory.draft_worker = target_worker, draft_worker  # for the KV audit
+        tokenizer = factory.tokenizer
+        recorder = WireRecorder()
+    else:
+        from coordinator.embedded import build_local_scheduler
+
+        factory, tokenizer = build_local_scheduler(target, draft, num_speculative_tokens, device, dtype,
+                                                   max_batch_size, kv_cache_blocks, kv_block_size)
     if tokenizer is None and not cfg.vocab_size:
         cfg.vocab_size = int(config["vocab_size"])
-    with run_server_in_thread(factory, tokenizer, address="127.0.0.1:0", grace_s=1.0) as handle:
+    try:
+        report = _run_embedded_server(run_server_in_thread, factory, tokenizer, cfg, settle_s, recorder)
+    finally:
+        for client in (getattr(factory, "target_client", None), getattr(factory, "draft_client", None)):
+            if client is not None:
+                client.close()
+        for server in servers:
+            server.stop(None)
+    if recorder is not None:
+        report.wire = recorder.summary()
+    return report
+
+
+def _run_embedded_server(run_server_in_thread, factory, tokenizer, cfg: LoadConfig, settle_s: float,
+                         on_round) -> LoadReport:
+    with run_server_in_thread(factory, tokenizer, address="127.0.0.1:0", grace_s=1.0, on_round=on_round) as handle:
         report = run_load(f"127.0.0.1:{handle.port}", cfg)
         engine = handle.server.engine
         end = time.monotonic() + settle_s
@@ -429,6 +527,21 @@ def format_report(r: LoadReport) -> str:
         ("streams replayed alone and equal", str(r.verified_streams)),
         ("checks", "PASS" if r.ok else f"FAIL ({len(r.failures)})"),
     ]
+    w = r.wire
+    if w:
+        def b(stats):
+            return f"{stats['mean']:.0f} / {stats['p99']:.0f} B"
+
+        per_token = "n/a" if w["bytes_per_token"] is None else f"{w['bytes_per_token']:.1f} B"
+        rows[-1:-1] = [
+            ("wire bytes per round, sent+received mean / p99", b(w["bytes_per_round"])),
+            ("  draft worker mean / p99", b(w["draft_per_round"])),
+            ("  target worker mean / p99", b(w["target_per_round"])),
+            ("  sent / received mean", f"{w['sent_per_round']['mean']:.0f} / {w['received_per_round']['mean']:.0f} B"),
+            ("wire bytes per generated token", per_token),
+            ("wire rounds (RPCs draft / target)",
+             f"{w['rounds']} ({w['rpcs_per_worker'].get('draft', 0)} / {w['rpcs_per_worker'].get('target', 0)})"),
+        ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for failure in r.failures[:20]:
@@ -466,6 +579,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--target", default=None, help="target checkpoint directory (with --embedded)")
     e.add_argument("--draft", default="none", help="draft directory, 'ngram' or 'none' (default %(default)s)")
     e.add_argument("-k", "--server-k", type=int, default=5, help="the server's default K (default %(default)s)")
+    e.add_argument("--grpc-workers", action="store_true",
+                   help="serve the draft and target workers over loopback gRPC and report bytes on the wire per round")
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="float32")
     e.add_argument("--max-batch-size", type=int, default=64)
@@ -492,6 +607,8 @@ def _bad_args(args) -> str | None:
         return "--timeout must be > 0"
     if args.embedded and not args.target:
         return "--embedded needs --target DIR"
+    if getattr(args, "grpc_workers", False) and not args.embedded:
+        return "--grpc-workers needs --embedded"
     if args.verify_sample < 0:
         return "--verify-sample must be >= 0"
     return None
@@ -507,7 +624,8 @@ def run(args: argparse.Namespace) -> int:
         if args.embedded:
             draft = None if args.draft.lower() == "none" else args.draft
             report = run_embedded(args.target, draft, cfg, args.server_k, args.device, args.dtype,
-                                  args.max_batch_size, args.kv_cache_blocks, args.kv_block_size)
+                                  args.max_batch_size, args.kv_cache_blocks, args.kv_block_size,
+                                  grpc_workers=getattr(args, "grpc_workers", False))
         else:
             report = run_load(args.address, cfg)
     except ConnectionError as e:

@@ -240,8 +240,8 @@ def run(args) -> int:
     if results:
         print(f"tokens/s on {len(prompts)} held-out prompts x {max_new} new tokens (K={k}, {args.threads} threads, "
               f"{os.cpu_count()} CPUs); x plain / x HF / x HF-asst = tok/s ratio to specdec plain / HF generate / "
-              f"HF assisted at the same batch and mode; theory x = (1-a^(K+1))/((1-a)(Kc+1)); "
-              f"=plain: greedy outputs identical to specdec plain's")
+              f"HF assisted at the same batch and mode; accept = accepted/proposed; alpha = accepted/tested (per-token, what the formula assumes); "
+              f"theory x = (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha; =plain: greedy outputs identical to specdec plain's")
         print(report.format_table(results))
         print()
     if sweep:

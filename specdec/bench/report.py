@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from specdec.bench.runners import RunResult
-from specdec.bench.theory import theoretical_speedup
+from specdec.bench.theory import expected_tokens_per_round, theoretical_speedup
 
 # (name, what is measured, threshold)
 TARGETS = [
@@ -60,10 +60,17 @@ def annotate(results: list[RunResult], costs: dict | None, baselines: list[RunRe
             r.vs_hf_assisted = _ratio(r.tokens_per_s, assisted.tokens_per_s if assisted else None)
         if r.mode == "greedy" and plain is not None and r.outputs and len(plain.outputs) == len(r.outputs):
             r.same_output_as_plain = sum(a == b for a, b in zip(r.outputs, plain.outputs)) / len(r.outputs)
-        if r.system in ("spec-draft", "spec-ngram") and r.acceptance_rate is not None:
+        a = r.alpha if r.alpha is not None else r.acceptance_rate
+        if r.system in ("spec-draft", "spec-ngram") and a is not None:
             r.cost_ratio_c = cost_ratio(r, costs)
             if r.cost_ratio_c is not None and r.k is not None:
-                r.theoretical_speedup = theoretical_speedup(r.acceptance_rate, r.k, r.cost_ratio_c)
+                r.theoretical_speedup = theoretical_speedup(a, r.k, r.cost_ratio_c)
+                entry = (costs or {}).get("by_batch", {}).get(str(r.batch), {})
+                if "verify_pass_over_step" in entry:
+                    # The formula prices a K+1-token verify pass like a 1-token step; with the
+                    # measured price of that pass instead:
+                    r.theoretical_speedup_with_verify_cost = (
+                        expected_tokens_per_round(a, r.k) / (r.k * r.cost_ratio_c + entry["verify_pass_over_step"]))
 
 
 def evaluate_targets(results: list[RunResult]) -> list[dict]:
@@ -90,16 +97,16 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
 
 def format_table(results: list[RunResult], sweep: bool = False) -> str:
     head = ["system", "batch", "mode", "K", "tokens", "sec", "tok/s", "x plain", "x HF", "x HF-asst",
-            "accept", "mean len", "c", "theory x", "=plain"]
+            "accept", "alpha", "mean len", "c", "theory x", "=plain"]
     rows = []
     for r in results:
         if r.skipped is not None:
             rows.append([r.label, str(r.batch), r.mode, _fmt(r.k, "d"), "-", "-", "n/a", "-", "-", "-",
-                         "-", "-", "-", "-", "-"])
+                         "-", "-", "-", "-", "-", "-"])
             continue
         rows.append([r.label, str(r.batch), r.mode, _fmt(r.k, "d"), str(r.tokens), _fmt(r.seconds, ".1f"),
                      _fmt(r.tokens_per_s, ".1f"), _fmt(r.vs_engine_plain, ".2f", "x"), _fmt(r.vs_hf_plain, ".2f", "x"),
-                     _fmt(r.vs_hf_assisted, ".2f", "x"), _fmt(r.acceptance_rate, ".3f"),
+                     _fmt(r.vs_hf_assisted, ".2f", "x"), _fmt(r.acceptance_rate, ".3f"), _fmt(r.alpha, ".3f"),
                      _fmt(r.mean_accepted_length, ".2f"), _fmt(r.cost_ratio_c, ".3f"),
                      _fmt(r.theoretical_speedup, ".2f", "x"), _fmt(r.same_output_as_plain, ".0%")])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]

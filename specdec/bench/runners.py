@@ -49,7 +49,9 @@ class RunResult:
     seconds: float = 0.0
     tokens_per_s: float | None = None
     skipped: str | None = None  # why this combination was not measured
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None  # accepted / proposed (the engine's statistic)
+    alpha: float | None = None  # per-token acceptance: accepted / tested (see _TimedTarget)
+    rounds_without_draft: int | None = None  # target passes whose drafter proposed nothing
     mean_accepted_length: float | None = None  # tokens committed per target forward pass
     proposed: int | None = None
     accepted: int | None = None
@@ -66,7 +68,8 @@ class RunResult:
     vs_hf_plain: float | None = None
     vs_hf_assisted: float | None = None
     cost_ratio_c: float | None = None
-    theoretical_speedup: float | None = None
+    theoretical_speedup: float | None = None  # (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha
+    theoretical_speedup_with_verify_cost: float | None = None  # same, verify pass at its measured cost
     # Greedy only: share of prompts whose output equals specdec plain's, token for token.
     same_output_as_plain: float | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated ids, prompt order
@@ -131,9 +134,24 @@ class _TimedDraft:
 
 
 class _TimedTarget:
+    """Wraps the scheduler's target client: seconds in the target worker, and per-token acceptance.
+
+    A round that proposes k tokens and keeps a tests a + 1 of them when a < k (the first rejected
+    one ends the round), a when a == k. accepted / tested is the per-token acceptance probability
+    that the speedup formula assumes; accepted / proposed (the engine's acceptance rate) also counts
+    the tokens after a rejection that were never tested, so it is lower.
+    """
+
     def __init__(self, inner):
         self.inner = inner
+        self.reset()
+
+    def reset(self) -> None:
         self.seconds = 0.0
+        self.tested = 0
+        self.accepted = 0
+        self.rounds_with_draft = 0
+        self.rounds_without_draft = 0
 
     def info(self):
         return self.inner.info()
@@ -141,9 +159,19 @@ class _TimedTarget:
     def verify(self, tasks, finished):
         t0 = time.perf_counter()
         try:
-            return self.inner.verify(tasks, finished)
+            result = self.inner.verify(tasks, finished)
         finally:
             self.seconds += time.perf_counter() - t0
+        proposed = {t.req_id: len(t.draft_tokens) for t in tasks}
+        for outcome in result.outcomes:
+            k = proposed.get(outcome.req_id, 0)
+            if k == 0:
+                self.rounds_without_draft += 1
+                continue
+            self.rounds_with_draft += 1
+            self.accepted += outcome.num_accepted
+            self.tested += outcome.num_accepted + (1 if outcome.num_accepted < k else 0)
+        return result
 
 
 class EngineSystem:
@@ -174,7 +202,7 @@ class EngineSystem:
                            prompts=len(prompts))
         if self._draft is not None:
             self._draft.seconds = 0.0
-        self._target.seconds = 0.0
+        self._target.reset()
         proposed = accepted = rounds = draft_passes = generated = 0
         gc.collect()
         start = time.perf_counter()
@@ -200,6 +228,8 @@ class EngineSystem:
         if self.k is not None:
             result.proposed, result.accepted, result.draft_forward_passes = proposed, accepted, draft_passes
             result.acceptance_rate = accepted / proposed if proposed else None
+            result.alpha = self._target.accepted / self._target.tested if self._target.tested else None
+            result.rounds_without_draft = self._target.rounds_without_draft
         result.draft_seconds = self._draft.seconds if self._draft is not None else 0.0
         result.verify_seconds = self._target.seconds
         result.other_seconds = result.seconds - result.draft_seconds - result.verify_seconds

@@ -30,6 +30,21 @@ class _TargetSequence:
     tokens: list[int]
 
 
+def greedy_accept(target_argmax: torch.Tensor, drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Greedy verification without building distributions: accept while the target's argmax
+    equals the draft token; the next token is the argmax at the first mismatch (or the bonus).
+    target_argmax: [B, K_max + 1]. Same result as speculative_verify on one-hot p, much cheaper."""
+    rows = target_argmax.tolist()
+    accepted, next_tokens = [], []
+    for row, draft in zip(rows, drafts):
+        a = 0
+        while a < len(draft) and row[a] == draft[a]:
+            a += 1
+        accepted.append(a)
+        next_tokens.append(row[a])
+    return accepted, next_tokens
+
+
 def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
 
@@ -120,17 +135,14 @@ class TargetWorker:
         device = logits[0].device
         padded = torch.stack([torch.nn.functional.pad(l, (0, 0, 0, k_max + 1 - l.shape[0])) for l in logits])
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
-            # Pure greedy batch: argmax agreement is all that matters; skip the softmax work.
-            argmax = padded.argmax(dim=-1)
-            p = torch.nn.functional.one_hot(argmax, vocab).float()
-        else:
-            draft = pad_rows([t.draft_tokens for t in tasks], k_max)
-            presence = None
-            if any(x.repetition_penalty != 1.0 for x in params):
-                base = presence_mask([s.tokens for s in seqs], vocab, device)
-                presence = presence_for_positions(base, draft.to(device), torch.tensor(num_draft)).flatten(0, 1)
-            batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
-            p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
+            return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])
+        draft = pad_rows([t.draft_tokens for t in tasks], k_max)
+        presence = None
+        if any(x.repetition_penalty != 1.0 for x in params):
+            base = presence_mask([s.tokens for s in seqs], vocab, device)
+            presence = presence_for_positions(base, draft.to(device), torch.tensor(num_draft)).flatten(0, 1)
+        batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
+        p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
         q = torch.zeros(len(seqs), k_max, vocab, device=device)
         for row, task in enumerate(tasks):
             if task.q is not None and task.draft_tokens:

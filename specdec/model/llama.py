@@ -81,12 +81,13 @@ class LlamaModel:
         c = self.config
         x = self.weights.embed[batch.input_ids]
         num_tokens = x.shape[0]
+        cos, sin = self.rotary.lookup(batch.positions)
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = self.rotary.apply(q.view(num_tokens, c.num_attention_heads, c.head_dim), batch.positions)
-            k = self.rotary.apply(k.view(num_tokens, c.num_key_value_heads, c.head_dim), batch.positions)
+            q = self.rotary.apply(q.view(num_tokens, c.num_attention_heads, c.head_dim), cos, sin)
+            k = self.rotary.apply(k.view(num_tokens, c.num_key_value_heads, c.head_dim), cos, sin)
             v = v.view(num_tokens, c.num_key_value_heads, c.head_dim)
             write_kv(cache.k[index], cache.v[index], k, v, batch.slots)
             attn = paged_attention(q, cache.k[index], cache.v[index], batch, self.scale)

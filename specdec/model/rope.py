@@ -45,10 +45,14 @@ class RotaryTable:
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [T], shaped [T, 1, head_dim]: looked up once per forward pass
+        and shared by every layer's q and k."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; cos/sin from lookup()."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

@@ -49,8 +49,7 @@ def build_local_workers(target: str, draft: str | None = None, device: str = "cp
     target_worker = TargetWorker(target_model, kv_cache_blocks, kv_block_size, model_name=str(target))
     if draft is None:
         return target_worker, None
-    drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size) \
-        if draft != "ngram" else build_drafter(draft)
+    drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size)
     if draft != "ngram" and drafter.info().vocab_size != target_model.config.vocab_size:
         raise ValueError(f"draft vocabulary ({drafter.info().vocab_size}) differs from the target's "
                          f"({target_model.config.vocab_size}): they must share a tokenizer")

@@ -189,10 +189,7 @@ class DraftWorkerActor(_WorkerActorBase):
         from draft_worker import grpc_server
         from draft_worker.worker import DraftWorker, build_drafter
 
-        if draft == "ngram":
-            drafter = build_drafter("ngram")
-        else:
-            drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size)
+        drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size)
         self._serve(grpc_server.serve, DraftWorker(drafter), host, port)
 
 

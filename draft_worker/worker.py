@@ -19,7 +19,8 @@ class DraftWorker:
 
 
 def build_drafter(draft: str, device: str = "cpu", dtype: str = "float32", **kwargs) -> Drafter:
-    """"ngram" -> prompt lookup; anything else is a checkpoint directory for a draft model."""
+    """"ngram" -> prompt lookup; anything else is a checkpoint directory for a draft model.
+    kwargs (KV-cache sizing) apply to the model drafter only; the n-gram drafter keeps no cache."""
     if draft == "ngram":
         from draft_worker.ngram_drafter import NgramDrafter
         return NgramDrafter()

@@ -136,11 +136,11 @@ class TargetWorker:
         padded = torch.stack([torch.nn.functional.pad(l, (0, 0, 0, k_max + 1 - l.shape[0])) for l in logits])
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
             return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])
-        draft = pad_rows([t.draft_tokens for t in tasks], k_max)
+        draft = pad_rows([t.draft_tokens for t in tasks], k_max).to(device)
         presence = None
         if any(x.repetition_penalty != 1.0 for x in params):
             base = presence_mask([s.tokens for s in seqs], vocab, device)
-            presence = presence_for_positions(base, draft.to(device), torch.tensor(num_draft)).flatten(0, 1)
+            presence = presence_for_positions(base, draft, torch.tensor(num_draft)).flatten(0, 1)
         batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
         p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
         q = torch.zeros(len(seqs), k_max, vocab, device=device)
@@ -157,6 +157,5 @@ class TargetWorker:
                 u_accept[row, :k] = u[:k]
                 u_resample[row] = u[k]
         greedy = torch.tensor([x.greedy for x in params])
-        accepted, nxt = speculative_verify(p, q, pad_rows([t.draft_tokens for t in tasks], k_max).to(device),
-                                           torch.tensor(num_draft), greedy, u_accept, u_resample)
+        accepted, nxt = speculative_verify(p, q, draft, torch.tensor(num_draft), greedy, u_accept, u_resample)
         return accepted.tolist(), nxt.tolist()

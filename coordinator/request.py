@@ -1,7 +1,6 @@
 """A request as the coordinator tracks it, and what it reports per round."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from coordinator.text_stream import TextStream
@@ -66,4 +65,3 @@ class RunningRequest:
     stats: RequestStats = field(default_factory=RequestStats)
     unsent_to_draft: list[int] = field(default_factory=list)
     started_target: bool = False
-    started_at: float = field(default_factory=time.monotonic)

@@ -3,8 +3,8 @@
 Each client keeps one bidirectional Rounds stream open and uses it as a synchronous ping-pong:
 one request per round, then block for its one reply (~0.7 ms on loopback vs ~1.2 ms for a unary
 call). Requests are serialized here rather than by gRPC so that the exact payload sizes can be
-counted in the caller's thread: bytes_sent / bytes_received and last_round_bytes_* are protobuf
-payload bytes of Rounds messages (gRPC adds 5 bytes of framing per message, HTTP/2 a bit more).
+counted in the caller's thread: each client's `wire` (a WireCounter) holds the protobuf payload
+bytes of its Rounds messages (gRPC adds 5 bytes of framing per message, HTTP/2 a bit more).
 
 Errors are the same types the in-process path raises or catches (coordinator.errors): a broken
 or unreachable worker raises WorkerUnavailable; a worker that raised during the round raises
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import dataclass
 
 import grpc
 
@@ -40,6 +41,15 @@ _RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+@dataclass
+class WireCounter:
+    """Rounds messages exchanged with one worker and their payload bytes, cumulative."""
+
+    rounds: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 def _rounds_path(service: str) -> str:
@@ -84,16 +94,13 @@ class _WorkerClient:
         self._failed = False  # the last round failed: re-resolve the address before the next one
         self.resolve_address = None  # optional callable -> the worker's current "host:port"
         self._connect(address)
-        self.rounds = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.last_round_bytes_sent = 0
-        self.last_round_bytes_received = 0
+        self.wire = WireCounter()
 
     def _connect(self, address: str) -> None:
         self.address = address
         self.name = f"{self._role}@{address}"
-        self._channel = grpc.insecure_channel(address, options=list(wire.GRPC_CHANNEL_OPTIONS) + list(_RECONNECT_OPTIONS))
+        self._channel = grpc.insecure_channel(address,
+                                              options=list(wire.GRPC_CHANNEL_OPTIONS) + list(_RECONNECT_OPTIONS))
         # Identity (de)serializers: we hand gRPC bytes, see the module docstring.
         self._rounds_method = self._channel.stream_stream(
             _rounds_path(self._service), request_serializer=None, response_deserializer=None
@@ -155,10 +162,9 @@ class _WorkerClient:
                 error = _worker_error(e, self.name)
                 self._failed = isinstance(error, WorkerUnavailable)
                 raise error from None
-            self.rounds += 1
-            self.last_round_bytes_sent, self.last_round_bytes_received = len(request), len(reply)
-            self.bytes_sent += len(request)
-            self.bytes_received += len(reply)
+            self.wire.rounds += 1
+            self.wire.bytes_sent += len(request)
+            self.wire.bytes_received += len(reply)
             return reply
 
     def _info(self, timeout_s: float):

@@ -1,19 +1,18 @@
 """Service metrics on the Ray dashboard (ray.util.metrics -> Prometheus -> Grafana panels).
 
-`make_round_callback()` returns the `on_round(scheduler, updates, round_seconds)` callable that the
-public server's EngineLoop runs after every round. It records:
+`RoundMetrics` is the `on_round(report)` hook the public server's SchedulerThread calls with each
+step's RoundReport. It records:
 
 - acceptance: draft tokens proposed / accepted (counters) and a windowed acceptance-rate gauge
 - throughput: generated tokens (counter) and a windowed tokens/s gauge
 - round latency by phase (histogram, tag `phase`): `draft` and `verify` as the coordinator sees
-  them (client side: worker compute + network + (de)serialization), `network` when the workers
-  report their own compute time (`<phase>_compute` keys in `scheduler.last_round_seconds`), and
-  `coordinator` = round time minus the two worker calls (scheduling, stop strings, streaming)
+  them (client side: worker compute + network + (de)serialization), `coordinator` = round time
+  minus the two worker calls (scheduling, stop strings, streaming), and `total`
 - queue depth, running requests, KV blocks used / total / usage fraction (gauges)
 - finished requests by reason (counter, tag `reason`) and per-request acceptance (histogram)
-- bytes on the wire to and from the workers, when the scheduler's clients count them (the gRPC
-  clients do, in-process ones do not): per round (histogram and last-round gauges, tags
-  `direction` = sent | received and `worker` = draft | target | all) and cumulative (counter)
+- bytes on the wire to and from the workers, when given the gRPC clients' WireCounters (in-process
+  workers have none): per round (histogram and last-round gauges, tags `direction` = sent |
+  received and `worker` = draft | target | all) and cumulative (counter)
 
 Without Ray (embedded server, unit tests) nothing is exported and the callback only keeps the
 cheap in-process totals of `snapshot()`. It never imports Ray itself and never raises into the
@@ -27,40 +26,32 @@ import threading
 import time
 from collections import deque
 
+from coordinator.grpc_clients import WireCounter
+from coordinator.round_report import RoundReport
+
 log = logging.getLogger(__name__)
 
 LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 RATE_BOUNDARIES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 WIRE_BYTES_BOUNDARIES = [64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216]
-WORKERS = ("draft", "target")
 
 
-class WireBytes:
-    """Per-round bytes on the wire, from the cumulative `bytes_sent` / `bytes_received` of the
-    scheduler's worker clients (coordinator.grpc_clients). Deltas of cumulative counters stay
-    exact when a client sat a round out (its `last_round_*` would then be stale)."""
+class WireDeltas:
+    """Bytes sent / received per worker since the previous call, from cumulative WireCounters
+    (coordinator.grpc_clients): deltas of cumulative counts stay exact when a worker sat a round
+    out."""
 
-    def __init__(self):
-        self._last: dict[str, tuple[int, int, int]] = {}  # worker -> (client id, sent, received)
+    def __init__(self, counters: dict[str, WireCounter]):
+        self.counters = counters  # worker ("draft" | "target") -> its client's counter
+        self._last = {worker: (0, 0) for worker in counters}
 
-    @staticmethod
-    def available(scheduler) -> bool:
-        return any(hasattr(getattr(scheduler, w, None), "bytes_sent") for w in WORKERS)
-
-    def delta(self, scheduler) -> dict[str, tuple[int, int]] | None:
-        """{worker: (sent, received)} since the previous call; None if no client counts bytes."""
-        out: dict[str, tuple[int, int]] = {}
-        for worker in WORKERS:
-            client = getattr(scheduler, worker, None)
-            if client is None or not hasattr(client, "bytes_sent"):
-                continue
-            sent, received = int(client.bytes_sent), int(client.bytes_received)
-            key, prev_sent, prev_received = self._last.get(worker, (id(client), 0, 0))
-            if key != id(client):  # a new client object: its counters start at zero
-                prev_sent = prev_received = 0
-            self._last[worker] = (id(client), sent, received)
-            out[worker] = (max(sent - prev_sent, 0), max(received - prev_received, 0))
-        return out or None
+    def take(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for worker, counter in self.counters.items():
+            prev_sent, prev_received = self._last[worker]
+            self._last[worker] = (counter.bytes_sent, counter.bytes_received)
+            out[worker] = (counter.bytes_sent - prev_sent, counter.bytes_received - prev_received)
+        return out
 
 
 def ray_is_initialized() -> bool:
@@ -99,7 +90,7 @@ class _RayInstruments:
         self.kv_total = gauge("specdec_kv_blocks_total", "Target KV-cache blocks in total")
         self.kv_usage = gauge("specdec_kv_cache_usage", "Fraction of target KV-cache blocks in use")
         self.round_seconds = histogram("specdec_round_seconds", "Round latency by phase (draft, verify, "
-                                       "network, coordinator, total)", LATENCY_BOUNDARIES_S, ("phase",))
+                                       "coordinator, total)", LATENCY_BOUNDARIES_S, ("phase",))
         self.request_acceptance = histogram("specdec_request_acceptance_rate",
                                             "Acceptance rate of each finished request", RATE_BOUNDARIES)
         wire_keys = ("deployment", "direction", "worker")
@@ -146,21 +137,19 @@ class _Window:
 
 
 class RoundMetrics:
-    """The round callback. Call it as `on_round(scheduler, updates, round_seconds)`."""
+    """The on_round hook: call it with each RoundReport. `wire`: the gRPC clients' counters."""
 
-    def __init__(self, deployment: str = "specdec", window_s: float = 10.0, refresh_s: float = 2.0,
-                 export: bool | None = None):
+    def __init__(self, deployment: str = "specdec", wire: dict[str, WireCounter] | None = None,
+                 window_s: float = 10.0, refresh_s: float = 2.0, export: bool | None = None):
         self.deployment = deployment
         self._lock = threading.Lock()
         self._tokens = _Window(window_s)
         self._accept = _Window(window_s)
-        self._seen: dict[str, tuple[int, int]] = {}  # req_id -> (proposed, accepted) already counted
-        self._last_total_rounds = None
         self._failed_once = False
         self.totals = {"generated_tokens": 0, "proposed": 0, "accepted": 0, "rounds": 0, "finished": {},
                        "round_seconds": {}, "queue_depth": 0, "running": 0, "kv_blocks_used": 0,
                        "kv_blocks_total": 0, "wire_bytes": {}, "wire_bytes_last_round": {}}
-        self._wire = WireBytes()
+        self._wire = WireDeltas(wire) if wire else None
         self._wire_pending: dict[str, tuple[int, int]] = {}
         export = ray_is_initialized() if export is None else export
         self._ray = _instruments(deployment) if export else None
@@ -177,128 +166,90 @@ class RoundMetrics:
     def close(self) -> None:
         self._stop.set()
 
-    def __call__(self, scheduler, updates, round_seconds: float | None = None) -> None:
+    def __call__(self, report: RoundReport) -> None:
         try:
-            self._on_round(scheduler, updates, round_seconds)
+            self._on_round(report)
         except Exception:  # noqa: BLE001 - metrics must never break serving
             if not self._failed_once:
                 self._failed_once = True
                 log.exception("recording round metrics failed (logged once)")
 
-    def _on_round(self, scheduler, updates, round_seconds: float | None) -> None:
+    def _on_round(self, report: RoundReport) -> None:
         now = time.monotonic()
-        generated = proposed = accepted = 0
-        finished: list[tuple[str, float | None]] = []
-        running = getattr(scheduler, "running", {})
-        for update in updates:
-            generated += len(update.token_ids)
-            stats = update.stats
-            if stats is None and update.req_id in running:
-                stats = running[update.req_id].stats
-            if stats is not None:
-                seen_p, seen_a = self._seen.get(update.req_id, (0, 0))
-                proposed += stats.proposed - seen_p
-                accepted += stats.accepted - seen_a
-                self._seen[update.req_id] = (stats.proposed, stats.accepted)
-            if update.finished:
-                self._seen.pop(update.req_id, None)
-                finished.append((update.finish_reason or "unknown",
-                                 stats.acceptance_rate if stats is not None else None))
-        for req_id in [r for r in self._seen if r not in running]:  # aborted without an update
-            del self._seen[req_id]
-
-        total_rounds = getattr(scheduler, "total_rounds", None)
-        if total_rounds is None or self._last_total_rounds is None:
-            rounds = 1 if updates else 0
-        else:
-            rounds = max(total_rounds - self._last_total_rounds, 0)
-        self._last_total_rounds = total_rounds
-        new_round = rounds > 0
-        phases = self._phases(scheduler, round_seconds) if new_round else {}
-
-        queue_depth = getattr(scheduler, "queue_depth", 0)
-        kv_used = getattr(scheduler, "kv_blocks_used", 0)
-        target_info = getattr(scheduler, "target_info", None)
-        kv_total = getattr(target_info, "kv_blocks_total", 0) if target_info is not None else 0
-        # Bytes of passes without a round (releases only) count in the totals at once and in the
+        generated = report.committed_tokens
+        proposed = sum(u.proposed for u in report.updates)
+        accepted = sum(u.accepted for u in report.updates)
+        finished = [(u.finish_reason or "unknown", u.stats.acceptance_rate if u.stats is not None else None)
+                    for u in report.updates if u.finished]
+        phases = {}
+        if report.ran:
+            phases = {"draft": report.draft_seconds, "verify": report.verify_seconds,
+                      "coordinator": report.overhead_seconds, "total": report.total_seconds}
+        # Bytes of steps without a round (releases only) count in the totals at once and in the
         # per-round figures of the next round.
-        wire = self._wire.delta(scheduler)
-        round_wire = None
-        if wire is not None:
-            for worker, (sent, received) in wire.items():
-                p_sent, p_received = self._wire_pending.get(worker, (0, 0))
-                self._wire_pending[worker] = (p_sent + sent, p_received + received)
-            if new_round:
-                round_wire, self._wire_pending = self._wire_pending, {}
-                round_wire["all"] = (sum(v[0] for v in round_wire.values()), sum(v[1] for v in round_wire.values()))
+        wire = self._wire.take() if self._wire is not None else {}
+        round_wire = {}
+        for worker, (sent, received) in wire.items():
+            p_sent, p_received = self._wire_pending.get(worker, (0, 0))
+            self._wire_pending[worker] = (p_sent + sent, p_received + received)
+        if report.ran and self._wire_pending:
+            round_wire, self._wire_pending = self._wire_pending, {}
+            round_wire["all"] = (sum(v[0] for v in round_wire.values()), sum(v[1] for v in round_wire.values()))
 
         with self._lock:
             t = self.totals
             t["generated_tokens"] += generated
             t["proposed"] += proposed
             t["accepted"] += accepted
-            t["rounds"] += rounds
+            t["rounds"] += int(report.ran)
             for reason, _ in finished:
                 t["finished"][reason] = t["finished"].get(reason, 0) + 1
-            for phase, seconds in phases.items():
-                t["round_seconds"][phase] = seconds
-            t["queue_depth"], t["running"] = queue_depth, len(running)
-            t["kv_blocks_used"], t["kv_blocks_total"] = kv_used, kv_total
-            for worker, (sent, received) in (wire or {}).items():
+            t["round_seconds"].update(phases)
+            t["queue_depth"], t["running"] = report.queue_depth, report.running
+            t["kv_blocks_used"], t["kv_blocks_total"] = report.kv_blocks_used, report.kv_blocks_total
+            for worker, (sent, received) in wire.items():
                 total = t["wire_bytes"].setdefault(worker, {"sent": 0, "received": 0})
                 total["sent"] += sent
                 total["received"] += received
-            for worker, (sent, received) in (round_wire or {}).items():
+            for worker, (sent, received) in round_wire.items():
                 t["wire_bytes_last_round"][worker] = {"sent": sent, "received": received}
             self._tokens.add(now, generated)
             self._accept.add(now, accepted, proposed)
+        if self._ray is not None:
+            self._export(report, generated, proposed, accepted, finished, phases, wire, round_wire, now)
 
+    def _export(self, report, generated, proposed, accepted, finished, phases, wire, round_wire, now) -> None:
         r = self._ray
-        if r is None:
-            return
         if generated:
             r.generated.inc(generated)
         if proposed:
             r.proposed.inc(proposed)
         if accepted:
             r.accepted.inc(accepted)
-        if rounds > 0:
-            r.rounds.inc(rounds)
+        if report.ran:
+            r.rounds.inc(1)
         for reason, rate in finished:
             r.finished.inc(1, tags={"reason": reason})
             if rate is not None:
                 r.request_acceptance.observe(rate)
         for phase, seconds in phases.items():
             r.round_seconds.observe(seconds, tags={"phase": phase})
-        for worker, values in (wire or {}).items():
+        for worker, values in wire.items():
             for direction, n in zip(("sent", "received"), values):
                 if n:
                     r.wire_bytes.inc(n, tags={"direction": direction, "worker": worker})
-        for worker, values in (round_wire or {}).items():
+        for worker, values in round_wire.items():
             for direction, n in zip(("sent", "received"), values):
                 tags = {"direction": direction, "worker": worker}
                 r.wire_bytes_last_round.set(n, tags=tags)
                 r.wire_bytes_per_round.observe(n, tags=tags)
-        r.queue_depth.set(queue_depth)
-        r.running.set(len(running))
-        r.kv_used.set(kv_used)
-        r.kv_total.set(kv_total)
-        if kv_total:
-            r.kv_usage.set(kv_used / kv_total)
+        r.queue_depth.set(report.queue_depth)
+        r.running.set(report.running)
+        r.kv_used.set(report.kv_blocks_used)
+        r.kv_total.set(report.kv_blocks_total)
+        if report.kv_blocks_total:
+            r.kv_usage.set(report.kv_blocks_used / report.kv_blocks_total)
         self._set_rates(now)
-
-    @staticmethod
-    def _phases(scheduler, round_seconds: float | None) -> dict[str, float]:
-        last = dict(getattr(scheduler, "last_round_seconds", None) or {})
-        draft, verify = float(last.get("draft", 0.0)), float(last.get("verify", 0.0))
-        phases = {"draft": draft, "verify": verify}
-        if "draft_compute" in last or "verify_compute" in last:
-            compute = float(last.get("draft_compute", 0.0)) + float(last.get("verify_compute", 0.0))
-            phases["network"] = max(draft + verify - compute, 0.0)
-        if round_seconds is not None:
-            phases["total"] = float(round_seconds)
-            phases["coordinator"] = max(float(round_seconds) - draft - verify, 0.0)
-        return phases
 
     def _set_rates(self, now: float) -> None:
         with self._lock:
@@ -328,11 +279,3 @@ class RoundMetrics:
         snap["window_acceptance_rate"] = accepted / proposed if proposed else None
         snap["exporting"] = self.exporting
         return snap
-
-
-def make_round_callback(deployment: str = "specdec", window_s: float = 10.0) -> RoundMetrics:
-    """The `on_round(scheduler, updates, round_seconds)` callback for the server's EngineLoop.
-
-    Exports to Ray when this process is connected to Ray; otherwise only keeps `snapshot()`.
-    """
-    return RoundMetrics(deployment=deployment, window_s=window_s)

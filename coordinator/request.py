@@ -1,4 +1,4 @@
-"""A request as the coordinator tracks it, and what it reports per round."""
+"""A request as the coordinator tracks it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,23 +43,9 @@ class Request:
 
 
 @dataclass
-class RequestUpdate:
-    """What one round produced for one request (streamed to its client as one message)."""
-
-    req_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "deadline" | "error"
-    stats: RequestStats | None = None
-    error: str | None = None
-    error_kind: str | None = None  # "unavailable" | "internal" | "deadline" (maps to a gRPC code)
-
-
-@dataclass
 class RunningRequest:
     request: Request
-    spec_k: int
+    num_speculative_tokens: int  # the most it asks for per round; 0: plain decoding
     stream: TextStream
     generated: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)

@@ -1,8 +1,8 @@
 """Continuous batching and the speculation round loop.
 
 Each `step()` is one round over every running request: one call to the draft worker, one to the
-target worker. Requests join and leave between rounds. The scheduler knows token ids, lengths and
-limits, never model internals.
+target worker, and a `RoundReport` of what it did. Requests join and leave between rounds. The
+scheduler knows token ids, lengths and limits, never model internals.
 """
 from __future__ import annotations
 
@@ -10,23 +10,27 @@ import time
 from collections import deque
 
 from coordinator.clients import DraftClient, TargetClient
-from coordinator.request import Request, RequestStats, RequestUpdate, RunningRequest
+from coordinator.errors import WorkerUnavailable
+from coordinator.request import Request, RequestStats, RunningRequest
+from coordinator.round_report import RequestUpdate, RoundReport
 from coordinator.text_stream import TextStream
+from specdec.config import SchedulerConfig
+from specdec.kv_cache import blocks_for_tokens
 from specdec.round_types import DraftProposal, DraftTask, VerifyTask
 
 
 class Scheduler:
-    def __init__(self, target: TargetClient, draft: DraftClient | None = None, tokenizer=None,
-                 num_speculative_tokens: int = 5, max_batch_size: int = 32):
-        if num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, config: SchedulerConfig):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
-        self.default_k = num_speculative_tokens
-        self.max_batch_size = max_batch_size
+        self.config = config
         self.target_info = target.info()
         self.draft_info = draft.info() if draft is not None else None
+        draft_vocab = self.draft_info.vocab_size if self.draft_info is not None else None
+        if draft_vocab is not None and draft_vocab != self.target_info.vocab_size:
+            raise ValueError(f"draft vocabulary ({draft_vocab}) differs from the target's "
+                             f"({self.target_info.vocab_size}): they must share a tokenizer")
         limits = [self.target_info.max_seq_len]
         if self.draft_info is not None and self.draft_info.max_seq_len:
             limits.append(self.draft_info.max_seq_len)
@@ -40,8 +44,6 @@ class Scheduler:
         # After a failed release (worker down) wait before retrying, instead of spinning on it.
         self._release_retry_at = 0.0
         self.kv_blocks_used = 0
-        self.total_rounds = 0
-        self.last_round_seconds = {"draft": 0.0, "verify": 0.0}
 
     # -- admission ------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -58,10 +60,11 @@ class Scheduler:
         total = len(request.prompt_ids) + request.params.max_new_tokens
         if total > self.max_seq_len:
             raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens "
-                             f"({request.params.max_new_tokens}) = {total} exceeds the context length {self.max_seq_len}")
-        k = request.num_speculative_tokens
-        if k is not None and not 0 <= k <= 64:
-            raise ValueError(f"num_speculative_tokens must be between 0 and 64, got {k}")
+                             f"({request.params.max_new_tokens}) = {total} exceeds the context length "
+                             f"{self.max_seq_len}")
+        asked, most = request.num_speculative_tokens, self.config.max_request_speculative_tokens
+        if asked is not None and not 0 <= asked <= most:
+            raise ValueError(f"num_speculative_tokens must be between 0 and {most}, got {asked}")
         if request.req_id in self.running or any(r.req_id == request.req_id for r in self.waiting):
             raise ValueError(f"request id {request.req_id!r} is already in use")
         if self._blocks_for(request) > self.target_info.kv_blocks_total:
@@ -92,13 +95,13 @@ class Scheduler:
         return len(self.waiting)
 
     def _blocks_for(self, request: Request) -> int:
-        # Worst case the target holds prompt + max_new_tokens tokens (k is capped to fit).
-        block = self.target_info.kv_block_size
-        return -(-(len(request.prompt_ids) + request.params.max_new_tokens) // block) + 1
+        # Worst case the target holds prompt + max_new_tokens tokens (K is capped to fit).
+        tokens = len(request.prompt_ids) + request.params.max_new_tokens
+        return blocks_for_tokens(tokens, self.target_info.kv_block_size) + 1
 
     def _admit(self) -> None:
         free = self.target_info.kv_blocks_total - sum(self._reserved_blocks.values())
-        while self.waiting and len(self.running) < self.max_batch_size:
+        while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
             need = self._blocks_for(request)
             if need > free:
@@ -106,13 +109,14 @@ class Scheduler:
             self.waiting.popleft()
             free -= need
             self._reserved_blocks[request.req_id] = need
-            spec_k = self.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens
+            asked = request.num_speculative_tokens
+            speculative = self.config.num_speculative_tokens if asked is None else asked
             if self.draft is None:
-                spec_k = 0
-            run = RunningRequest(request=request, spec_k=spec_k,
+                speculative = 0
+            run = RunningRequest(request=request, num_speculative_tokens=speculative,
                                  stream=TextStream(self.tokenizer, request.params.stop))
             run.stats.prompt_tokens = len(request.prompt_ids)
-            run.stats.has_draft = spec_k > 0
+            run.stats.has_draft = speculative > 0
             run.unsent_to_draft = list(request.prompt_ids)
             self.running[request.req_id] = run
 
@@ -121,28 +125,38 @@ class Scheduler:
         self._reserved_blocks.pop(req_id, None)
         if run.started_target:
             self._release_target.append(req_id)
-        if run.spec_k > 0:
+        if run.num_speculative_tokens > 0:
             self._release_draft.append(req_id)
 
     # -- the round --------------------------------------------------------------------------
-    def _round_k(self, run: RunningRequest) -> int:
+    def _speculative_tokens_this_round(self, run: RunningRequest) -> int:
         """Draft length this round: shrinks near max_new_tokens and the context end, so a round
         never overflows and always commits at least one token."""
         length = len(run.request.prompt_ids) + len(run.generated)
         remaining = run.request.params.max_new_tokens - len(run.generated)
-        return max(0, min(run.spec_k, remaining - 1, self.max_seq_len - length - 1))
+        return max(0, min(run.num_speculative_tokens, remaining - 1, self.max_seq_len - length - 1))
 
-    def step(self) -> list[RequestUpdate]:
-        updates = self._expire_deadlines()
+    def step(self) -> RoundReport:
+        start = time.perf_counter()
+        report = RoundReport(updates=self._expire_deadlines())
         self._admit()
-        if not self.running:
+        if self.running:
+            self._run_round(report)
+        else:
             self._flush_releases()
-            return updates
+        report.total_seconds = time.perf_counter() - start
+        report.queue_depth, report.running = len(self.waiting), len(self.running)
+        report.kv_blocks_used, report.kv_blocks_total = self.kv_blocks_used, self.target_info.kv_blocks_total
+        return report
+
+    def _run_round(self, report: RoundReport) -> None:
         runs = list(self.running.values())
-        ks = {r.request.req_id: self._round_k(r) for r in runs}
+        report.batch_size = len(runs)
+        asked = {r.request.req_id: self._speculative_tokens_this_round(r) for r in runs}
         try:
-            proposals = self._draft_round(runs, ks)
-            t0 = time.perf_counter()
+            start = time.perf_counter()
+            proposals = self._draft_round(runs, asked)
+            report.draft_seconds = time.perf_counter() - start
             tasks = []
             for run in runs:
                 req_id = run.request.req_id
@@ -154,6 +168,7 @@ class Scheduler:
                     q=proposal.q if proposal else None,
                     params=run.request.params))
             finished, self._release_target = self._release_target, []
+            start = time.perf_counter()
             try:
                 result = self.target.verify(tasks, finished)
             except Exception:
@@ -161,43 +176,44 @@ class Scheduler:
                 # (workers ignore ids they do not know, e.g. after a restart).
                 self._release_target = finished + self._release_target
                 raise
-            self.last_round_seconds["verify"] = time.perf_counter() - t0
+            report.verify_seconds = time.perf_counter() - start
         except Exception as exc:  # a worker failed: end this round's requests, keep serving
-            return updates + self._fail_all(runs, exc)
-        self.total_rounds += 1
+            report.updates += self._fail_all(runs, exc)
+            return
+        report.ran = True
         self.kv_blocks_used = result.kv_blocks_used
         for run in runs:
             run.started_target = True
         for outcome in result.outcomes:
             run = self.running[outcome.req_id]
             proposal = proposals.get(outcome.req_id)
+            proposed = len(proposal.tokens) if proposal is not None else 0
             run.stats.rounds += 1
-            if proposal is not None:
-                run.stats.proposed += len(proposal.tokens)
-                run.stats.draft_forward_passes += proposal.draft_forward_passes
+            run.stats.proposed += proposed
             run.stats.accepted += outcome.num_accepted
-            updates.append(self._commit(run, outcome.tokens))
-        return updates
+            if proposal is not None:
+                run.stats.draft_forward_passes += proposal.draft_forward_passes
+            update = self._commit(run, outcome.tokens)
+            update.num_speculative_tokens = asked[outcome.req_id]
+            update.proposed, update.accepted = proposed, outcome.num_accepted
+            report.updates.append(update)
 
-    def _draft_round(self, runs: list[RunningRequest], ks: dict[str, int]) -> dict[str, DraftProposal]:
-        t0 = time.perf_counter()
+    def _draft_round(self, runs: list[RunningRequest], asked: dict[str, int]) -> dict[str, DraftProposal]:
         tasks = []
         for run in runs:
-            if run.spec_k == 0:
+            if run.num_speculative_tokens == 0:
                 continue
             tasks.append(DraftTask(req_id=run.request.req_id, new_tokens=run.unsent_to_draft,
-                                   k=ks[run.request.req_id], params=run.request.params))
+                                   num_speculative_tokens=asked[run.request.req_id], params=run.request.params))
             run.unsent_to_draft = []
         finished, self._release_draft = self._release_draft, []
         if self.draft is None or not (tasks or finished):
-            self.last_round_seconds["draft"] = 0.0
             return {}
         try:
             proposals = self.draft.propose(tasks, finished)
         except Exception:
             self._release_draft = finished + self._release_draft
             raise
-        self.last_round_seconds["draft"] = time.perf_counter() - t0
         return {p.req_id: p for p in proposals}
 
     def _commit(self, run: RunningRequest, tokens: list[int]) -> RequestUpdate:
@@ -231,27 +247,24 @@ class Scheduler:
         updates = []
         for req in [r for r in self.waiting if r.deadline is not None and r.deadline <= now]:
             self.waiting.remove(req)
-            updates.append(RequestUpdate(req_id=req.req_id, token_ids=[], text="", finished=True,
-                                         finish_reason="deadline", stats=RequestStats(prompt_tokens=len(req.prompt_ids)),
-                                         error="deadline exceeded before the request started", error_kind="deadline"))
+            updates.append(RequestUpdate.failure(req.req_id, "deadline exceeded before the request started", "deadline",
+                                                 stats=RequestStats(prompt_tokens=len(req.prompt_ids))))
         for run in [r for r in self.running.values() if r.request.deadline is not None and r.request.deadline <= now]:
             self._retire(run.request.req_id)
-            updates.append(RequestUpdate(req_id=run.request.req_id, token_ids=[], text=run.stream.finish(),
-                                         finished=True, finish_reason="deadline", stats=run.stats,
-                                         error="deadline exceeded", error_kind="deadline"))
+            updates.append(RequestUpdate.failure(run.request.req_id, "deadline exceeded", "deadline", stats=run.stats,
+                                                 text=run.stream.finish()))
         return updates
 
     def _fail_all(self, runs: list[RunningRequest], exc: Exception) -> list[RequestUpdate]:
-        kind = "unavailable" if type(exc).__name__ == "WorkerUnavailable" else "internal"
+        kind = "unavailable" if isinstance(exc, WorkerUnavailable) else "internal"
         updates = []
         for run in runs:
             # The target may have admitted the request before failing: release it to be sure
             # (workers ignore ids they do not know).
             run.started_target = True
             self._retire(run.request.req_id)
-            updates.append(RequestUpdate(req_id=run.request.req_id, token_ids=[], text="", finished=True,
-                                         finish_reason="error", stats=run.stats,
-                                         error=f"{type(exc).__name__}: {exc}", error_kind=kind))
+            updates.append(RequestUpdate.failure(run.request.req_id, f"{type(exc).__name__}: {exc}", kind,
+                                                 stats=run.stats))
         return updates
 
     def _flush_releases(self) -> None:

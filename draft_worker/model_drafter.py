@@ -12,12 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_worker.drafter import Drafter
-from specdec.model.llama import LlamaModel
+from specdec.kv_cache import PagedKVCache
 from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
-from specdec.sampling import (BatchSamplingParams, draw_uniforms, make_generator, presence_mask,
-                              probs_from_logits, sample_from_probs, sparsify_probs)
+from specdec.sampling import (
+    BatchSamplingParams,
+    draw_uniforms,
+    make_generator,
+    presence_mask,
+    probs_from_logits,
+    sample_from_probs,
+    sparsify_probs,
+)
 
 
 @dataclass
@@ -63,11 +70,14 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model: LlamaModel, num_blocks: int | None = None, block_size: int = 16,
-                 max_q_entries: int | None = 256):
-        self.runner = ModelRunner(model, num_blocks, block_size)
-        self.max_q_entries = max_q_entries
+    def __init__(self, runner: ModelRunner, max_q_entries: int | None):
+        self.runner = runner
+        self.max_q_entries = max_q_entries  # None: send q dense
         self._seqs: dict[str, _DraftSequence] = {}
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self.runner.cache
 
     def info(self) -> DraftInfo:
         return DraftInfo(kind="model", vocab_size=self.runner.vocab_size, max_seq_len=self.runner.max_seq_len,
@@ -88,11 +98,11 @@ class ModelDrafter(Drafter):
         seq.tokens.extend(task.new_tokens)
         if not seq.tokens:
             raise ValueError(f"request {task.req_id}: the draft needs at least one token of context")
-        if task.k == 0:
+        if task.num_speculative_tokens == 0:
             return []
-        if len(seq.tokens) + task.k > self.runner.max_seq_len:
-            raise ValueError(f"request {task.req_id}: {len(seq.tokens)} tokens + k={task.k} exceed the draft's "
-                             f"context of {self.runner.max_seq_len}")
+        if len(seq.tokens) + task.num_speculative_tokens > self.runner.max_seq_len:
+            raise ValueError(f"request {task.req_id}: {len(seq.tokens)} tokens + {task.num_speculative_tokens} "
+                             f"speculative tokens exceed the draft's context of {self.runner.max_seq_len}")
         # Keep at least one token to feed: its logits give the first proposal.
         keep = min(common_prefix_length(seq.fed, seq.tokens), len(seq.tokens) - 1)
         self.runner.cache.truncate_to(task.req_id, keep)
@@ -101,7 +111,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
         feed = {t.req_id: self._sync(t) for t in tasks}
-        wanted = {t.req_id: t.k for t in tasks}
+        wanted = {t.req_id: t.num_speculative_tokens for t in tasks}
         drafted: dict[str, list[int]] = {t.req_id: [] for t in tasks}
         q_rows: dict[str, list[torch.Tensor]] = {t.req_id: [] for t in tasks}
         for step in range(max(wanted.values(), default=0)):

@@ -10,25 +10,26 @@ from __future__ import annotations
 import torch
 
 from draft_worker.drafter import Drafter
+from specdec.config import NGRAM
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
 
 
-def lookup_continuation(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Tokens that followed the most recent earlier match of the longest suffix n-gram."""
+def lookup_continuation(tokens: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to max_tokens tokens that followed the most recent earlier match of the longest suffix n-gram."""
     n_tokens = len(tokens)
     for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
         suffix = tokens[n_tokens - n:]
         # Scan right to left so the most recent occurrence (most relevant context) wins.
         for start in range(n_tokens - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                follow = tokens[start + n:start + n + k]
+                follow = tokens[start + n:start + n + max_tokens]
                 if follow:
                     return follow
     return []
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, window: int = 2048):
+    def __init__(self, max_ngram: int, min_ngram: int, window: int):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
@@ -37,14 +38,17 @@ class NgramDrafter(Drafter):
         self._tokens: dict[str, list[int]] = {}
 
     def info(self) -> DraftInfo:
-        return DraftInfo(kind="ngram", extra={"max_ngram": self.max_ngram, "min_ngram": self.min_ngram})
+        return DraftInfo(kind=NGRAM, extra={"max_ngram": self.max_ngram, "min_ngram": self.min_ngram})
 
     def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
         proposals = []
         for task in tasks:
             tokens = self._tokens.setdefault(task.req_id, [])
             tokens.extend(task.new_tokens)
-            draft = lookup_continuation(tokens[-self.window:], task.k, self.max_ngram, self.min_ngram) if task.k > 0 else []
+            draft = []
+            if task.num_speculative_tokens > 0:
+                draft = lookup_continuation(tokens[-self.window:], task.num_speculative_tokens, self.max_ngram,
+                                            self.min_ngram)
             q = None
             if draft and not task.params.greedy:
                 q = SparseDist(token_ids=torch.tensor(draft, dtype=torch.long)[:, None],

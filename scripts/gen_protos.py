@@ -30,8 +30,8 @@ def generate(out_dir: Path) -> list[Path]:
     """Run protoc into out_dir; return the generated files relative to out_dir."""
     import os
 
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     protos = proto_files()
     if not protos:
@@ -78,7 +78,8 @@ def check() -> int:
             if old is None:
                 problems.append(f"missing: {rel}")
             elif old != new:
-                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), f"committed/{rel}", f"fresh/{rel}", lineterm="", n=1)
+                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), f"committed/{rel}", f"fresh/{rel}",
+                                            lineterm="", n=1)
                 problems.append(f"stale: {rel}\n" + "\n".join(list(diff)[:40]))
         for rel in sorted(set(committed_files()) - set(fresh)):
             problems.append(f"orphaned (no .proto generates it): {rel}")

@@ -30,7 +30,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import random
 import sys
 import sysconfig
@@ -213,7 +212,7 @@ def sample_batch(data: np.ndarray, rng: np.random.Generator, bsz: int, seq: int)
 
 def make_optimizer(model, lr, wd):
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],

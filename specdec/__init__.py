@@ -1,17 +1,11 @@
 """specdec: lossless speculative decoding.
 
-`from specdec import LocalEngine, SamplingParams` is the public in-process API. LocalEngine lives
-with the coordinator (it is the coordinator with in-process workers) and is imported lazily so
-that the library modules stay importable on their own.
+`from specdec import LocalEngine, SamplingParams` is the public in-process API. This file is the
+facade: it re-exports what the composition layer (specdec.app) assembles. The rest of `specdec/`
+is the library layer and never imports the coordinator or the workers.
 """
+from specdec.app.engine import GenerationOutput, GenerationStats, LocalEngine
+from specdec.config import ServiceConfig
 from specdec.params import SamplingParams
 
-__all__ = ["LocalEngine", "SamplingParams", "GenerationOutput"]
-
-
-def __getattr__(name: str):
-    if name in ("LocalEngine", "GenerationOutput", "GenerationStats"):
-        from coordinator import engine
-
-        return getattr(engine, name)
-    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+__all__ = ["GenerationOutput", "GenerationStats", "LocalEngine", "SamplingParams", "ServiceConfig"]

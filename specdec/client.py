@@ -1,7 +1,8 @@
 """Client for the specdec Generation service (imports only grpc and the generated protobufs)."""
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -83,14 +84,8 @@ class GenerationClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "GenerationClient":
+    def __enter__(self) -> GenerationClient:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def iter_text(responses: Iterator[generation_pb2.GenerateResponse]) -> Iterator[str]:
-    for response in responses:
-        if response.text:
-            yield response.text

@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens (the one place this rounding is written)."""
+    return -(-num_tokens // block_size)
+
+
 class KVCacheFull(RuntimeError):
     """Not enough free blocks; the scheduler should not have admitted this much work."""
 
@@ -80,7 +85,7 @@ class PagedKVCache:
         return self._tables[seq_id]
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def append_slots(self, seq_id: str, num_new: int) -> torch.Tensor:
         """Grow the sequence by num_new tokens (allocating blocks) and return their flat slots."""
@@ -124,7 +129,8 @@ class PagedKVCache:
             raise AssertionError("KV blocks leaked or duplicated in the free list")
         for seq_id, table in self._tables.items():
             if len(table) != self.blocks_needed(self._lengths[seq_id]):
-                raise AssertionError(f"sequence {seq_id!r} holds {len(table)} blocks for {self._lengths[seq_id]} tokens")
+                raise AssertionError(f"sequence {seq_id!r} holds {len(table)} blocks "
+                                     f"for {self._lengths[seq_id]} tokens")
 
     def block_tables_tensor(self, seq_ids: list[str]) -> torch.Tensor:
         """[B, max_blocks] padded with block 0 (padding is masked out by context length)."""

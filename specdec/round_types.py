@@ -35,7 +35,7 @@ class SparseDist:
         return dense
 
     @staticmethod
-    def from_dense(dense: torch.Tensor) -> "SparseDist":
+    def from_dense(dense: torch.Tensor) -> SparseDist:
         """Keep the non-zero entries of each row (rows padded to the widest one)."""
         dense = dense.float()
         width = max(1, int((dense > 0).sum(dim=-1).max().item())) if dense.numel() else 1
@@ -45,7 +45,7 @@ class SparseDist:
 
 @dataclass
 class DraftTask:
-    """Ask the draft for up to k tokens for one sequence.
+    """Ask the draft for up to num_speculative_tokens tokens for one sequence.
 
     new_tokens: the tokens committed since this sequence's last round (the whole prompt on its
     first round). The draft appends them to its own copy of the sequence, rolls its KV cache back
@@ -54,14 +54,14 @@ class DraftTask:
 
     req_id: str
     new_tokens: list[int]
-    k: int
+    num_speculative_tokens: int
     params: SamplingParams
 
 
 @dataclass
 class DraftProposal:
     req_id: str
-    tokens: list[int]  # len <= k (an n-gram drafter may find fewer, or none)
+    tokens: list[int]  # at most num_speculative_tokens (an n-gram drafter may find fewer, or none)
     q: SparseDist | None  # None for greedy requests; else one row per proposed token
     draft_forward_passes: int = 0
 
@@ -109,7 +109,7 @@ class TargetInfo:
 
 @dataclass
 class DraftInfo:
-    kind: str  # "model" | "ngram"
+    kind: str  # "model" | "ngram" (specdec.config.NGRAM)
     vocab_size: int | None = None
     max_seq_len: int | None = None
     extra: dict = field(default_factory=dict)

@@ -48,11 +48,6 @@ GRPC_SERVER_OPTIONS = (
 )
 
 
-def wire_bytes(msg) -> int:
-    """Serialized size of a protobuf message: its payload bytes on the wire (gRPC adds 5)."""
-    return msg.ByteSize()
-
-
 # --- sampling parameters -------------------------------------------------------------------
 
 
@@ -139,7 +134,8 @@ def sparse_from_proto(msg: worker_pb2.SparseDist) -> SparseDist:
     flat_probs = np.frombuffer(msg.probs, dtype="<f4").astype(np.float32)
     k, width = len(lengths), max(1, int(lengths.max(initial=0)))
     if total == k * width:  # every row full: no padding to invent
-        return SparseDist(token_ids=torch.from_numpy(ids.reshape(k, width)), probs=torch.from_numpy(flat_probs.reshape(k, width)))
+        return SparseDist(token_ids=torch.from_numpy(ids.reshape(k, width)),
+                          probs=torch.from_numpy(flat_probs.reshape(k, width)))
     rows = np.repeat(np.arange(k), lengths)
     cols = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     token_ids = np.zeros((k, width), dtype=np.int64)
@@ -165,11 +161,13 @@ def _optional_sparse(msg, field: str) -> SparseDist | None:
 
 
 def draft_task_to_proto(t: DraftTask) -> worker_pb2.DraftTask:
-    return worker_pb2.DraftTask(req_id=t.req_id, new_tokens=t.new_tokens, k=t.k, params=params_to_proto(t.params))
+    return worker_pb2.DraftTask(req_id=t.req_id, new_tokens=t.new_tokens,
+                                num_speculative_tokens=t.num_speculative_tokens, params=params_to_proto(t.params))
 
 
 def draft_task_from_proto(msg: worker_pb2.DraftTask) -> DraftTask:
-    return DraftTask(req_id=msg.req_id, new_tokens=list(msg.new_tokens), k=msg.k, params=params_from_proto(msg.params))
+    return DraftTask(req_id=msg.req_id, new_tokens=list(msg.new_tokens),
+                     num_speculative_tokens=msg.num_speculative_tokens, params=params_from_proto(msg.params))
 
 
 def draft_proposal_to_proto(p: DraftProposal) -> worker_pb2.DraftProposal:
@@ -246,7 +244,8 @@ def verify_task_from_proto(msg: worker_pb2.VerifyTask) -> VerifyTask:
 
 def verify_result_to_proto(r: VerifyResult) -> worker_pb2.VerifyResult:
     return worker_pb2.VerifyResult(
-        outcomes=[worker_pb2.VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=o.tokens) for o in r.outcomes],
+        outcomes=[worker_pb2.VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=o.tokens)
+                  for o in r.outcomes],
         kv_blocks_used=r.kv_blocks_used,
         kv_blocks_total=r.kv_blocks_total,
     )
@@ -254,7 +253,8 @@ def verify_result_to_proto(r: VerifyResult) -> worker_pb2.VerifyResult:
 
 def verify_result_from_proto(msg: worker_pb2.VerifyResult) -> VerifyResult:
     return VerifyResult(
-        outcomes=[VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=list(o.tokens)) for o in msg.outcomes],
+        outcomes=[VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=list(o.tokens))
+                  for o in msg.outcomes],
         kv_blocks_used=msg.kv_blocks_used,
         kv_blocks_total=msg.kv_blocks_total,
     )

@@ -11,12 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.model.llama import LlamaModel
+from specdec.config import TargetConfig
 from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import TargetInfo, VerifyOutcome, VerifyResult, VerifyTask
-from specdec.sampling import (BatchSamplingParams, draw_uniforms, make_generator, presence_for_positions,
-                              presence_mask, probs_from_logits, speculative_verify)
+from specdec.sampling import (
+    BatchSamplingParams,
+    draw_uniforms,
+    make_generator,
+    presence_for_positions,
+    presence_mask,
+    probs_from_logits,
+    speculative_verify,
+)
 
 # A different stream than the draft's for the same seed: the accept tests must be independent of
 # the draft's own sampling noise.
@@ -50,11 +57,14 @@ def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
 
 
 class TargetWorker:
-    def __init__(self, model: LlamaModel, num_blocks: int | None = None, block_size: int = 16,
-                 model_name: str = ""):
-        self.runner = ModelRunner(model, num_blocks, block_size)
+    def __init__(self, runner: ModelRunner, model_name: str = ""):
+        self.runner = runner
         self.model_name = model_name
         self._seqs: dict[str, _TargetSequence] = {}
+
+    @classmethod
+    def from_config(cls, config: TargetConfig) -> TargetWorker:
+        return cls(ModelRunner.load(config, config.model), model_name=config.model)
 
     @property
     def cache(self):
@@ -110,9 +120,9 @@ class TargetWorker:
         ids = [t.req_id for t in tasks]
         cached = [self.cache.length(r) for r in ids]
         feeds = [s.tokens[c:] + t.draft_tokens for s, c, t in zip(seqs, cached, tasks)]
-        num_draft = [len(t.draft_tokens) for t in tasks]
-        logits = self.runner.run(ids, feeds, [k + 1 for k in num_draft])
-        num_accepted, next_tokens = self._accept(tasks, seqs, logits, num_draft)
+        num_proposed = [len(t.draft_tokens) for t in tasks]
+        logits = self.runner.run(ids, feeds, [k + 1 for k in num_proposed])
+        num_accepted, next_tokens = self._accept(tasks, seqs, logits, num_proposed)
         outcomes = []
         for task, seq, cache_len, feed, a, nxt in zip(tasks, seqs, cached, feeds, num_accepted, next_tokens):
             committed = task.draft_tokens[:a] + [nxt]
@@ -127,35 +137,35 @@ class TargetWorker:
         return VerifyResult(outcomes=outcomes, kv_blocks_used=alloc.num_used, kv_blocks_total=alloc.num_blocks)
 
     def _accept(self, tasks: list[VerifyTask], seqs: list[_TargetSequence], logits: list[torch.Tensor],
-                num_draft: list[int]) -> tuple[list[int], list[int]]:
+                num_proposed: list[int]) -> tuple[list[int], list[int]]:
         """Accept/reject every sequence's draft at once; returns (num_accepted, next_token) lists."""
         params = [s.params for s in seqs]
-        k_max = max(num_draft)
+        k_max = max(num_proposed)
         vocab = self.runner.vocab_size
         device = logits[0].device
-        padded = torch.stack([torch.nn.functional.pad(l, (0, 0, 0, k_max + 1 - l.shape[0])) for l in logits])
+        padded = torch.stack([torch.nn.functional.pad(rows, (0, 0, 0, k_max + 1 - rows.shape[0])) for rows in logits])
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
             return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])
         draft = pad_rows([t.draft_tokens for t in tasks], k_max).to(device)
         presence = None
         if any(x.repetition_penalty != 1.0 for x in params):
             base = presence_mask([s.tokens for s in seqs], vocab, device)
-            presence = presence_for_positions(base, draft, torch.tensor(num_draft)).flatten(0, 1)
+            presence = presence_for_positions(base, draft, torch.tensor(num_proposed)).flatten(0, 1)
         batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
         p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
         q = torch.zeros(len(seqs), k_max, vocab, device=device)
         for row, task in enumerate(tasks):
             if task.q is not None and task.draft_tokens:
                 q[row, :len(task.draft_tokens)] = task.q.to_dense(vocab).to(device)
-        # Each request draws exactly num_draft + 1 uniforms from its own generator, so a seeded
+        # Each request draws exactly num_proposed + 1 uniforms from its own generator, so a seeded
         # request's randomness does not depend on what else shares the batch.
         u_accept = torch.zeros(len(seqs), k_max)
         u_resample = torch.zeros(len(seqs))
-        for row, (seq, k) in enumerate(zip(seqs, num_draft)):
+        for row, (seq, k) in enumerate(zip(seqs, num_proposed)):
             if not seq.params.greedy:
                 u = draw_uniforms([seq.generator], k + 1)[0]
                 u_accept[row, :k] = u[:k]
                 u_resample[row] = u[k]
         greedy = torch.tensor([x.greedy for x in params])
-        accepted, nxt = speculative_verify(p, q, draft, torch.tensor(num_draft), greedy, u_accept, u_resample)
+        accepted, nxt = speculative_verify(p, q, draft, torch.tensor(num_proposed), greedy, u_accept, u_resample)
         return accepted.tolist(), nxt.tolist()

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Two cores: one intra-op thread per test process keeps timings stable and avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
+from checkpoints import CONFIGS, build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))

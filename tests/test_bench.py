@@ -7,10 +7,11 @@ import random
 
 import pytest
 
+from specdec.app.bench.report import annotate, evaluate_targets
+from specdec.app.bench.runners import RunResult, left_pad
+from specdec.app.bench.theory import expected_tokens_per_round, theoretical_speedup
+
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
-from specdec.bench.report import annotate, evaluate_targets
-from specdec.bench.runners import RunResult, left_pad
-from specdec.bench.theory import expected_tokens_per_round, theoretical_speedup
 
 
 def test_theoretical_speedup_formula():
@@ -41,7 +42,8 @@ def test_ratios_and_targets():
     assert spec.vs_hf_assisted == pytest.approx(1.8)
     assert spec.cost_ratio_c == 0.1
     assert spec.theoretical_speedup == pytest.approx(theoretical_speedup(0.7, 5, 0.1))
-    assert rows[2].cost_ratio_c == 0.0 and rows[2].theoretical_speedup == pytest.approx(expected_tokens_per_round(0.3, 5))
+    assert rows[2].cost_ratio_c == 0.0
+    assert rows[2].theoretical_speedup == pytest.approx(expected_tokens_per_round(0.3, 5))
     assert rows[0].vs_hf_plain == pytest.approx(2.5)
     assert rows[5].vs_hf_plain == pytest.approx(2.0)  # batch 8 compares with batch 8
     status = {t["target"]: (t["status"], t["measured"]) for t in evaluate_targets(rows)}
@@ -58,7 +60,7 @@ def test_left_pad():
 
 
 def test_bench_end_to_end(tmp_path, capsys):
-    from specdec.cli import main
+    from specdec.app.cli import main
 
     target = build_checkpoint(tmp_path / "target", seed=0, **CONFIGS["gqa_untied"])
     draft = perturbed_copy(target, tmp_path / "draft", noise=0.05)

@@ -19,10 +19,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
-from coordinator.engine import LocalEngine  # noqa: E402
+from specdec import LocalEngine, ServiceConfig  # noqa: E402
+from specdec.config import NGRAM, DraftConfig  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
 from specdec.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 17, 42, 5, 99, 7, 3, 17]
@@ -41,15 +43,16 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def deployment(models):
-    from coordinator.ray_actors import launch
+    from specdec.app.ray_actors import launch
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="specdec-ft",
-             runtime_env={"env_vars": env}, resources={"specdec_coordinator": 1, "specdec_target": 1, "specdec_draft": 1})
+             runtime_env={"env_vars": env},
+             resources={"specdec_coordinator": 1, "specdec_target": 1, "specdec_draft": 1})
     try:
         target, draft = models
-        dep = launch(str(target), str(draft), num_speculative_tokens=K, host="127.0.0.1", port=0,
-                     name_prefix="specdec-ft", worker_cpus=0.5)
+        dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=K,
+                                                 host="127.0.0.1", port=0, name="specdec-ft", worker_cpus=0.5))
         try:
             yield dep
         finally:
@@ -135,8 +138,8 @@ def test_worker_killed_mid_request_then_recovers(deployment, expected, role):
     print(f"{role}: recovered after {seconds:.1f}s ({failures} UNAVAILABLE answers while restarting)")
 
 
-def test_actors_take_the_cluster_custom_resources(deployment, monkeypatch):
-    from coordinator import ray_actors
+def test_actors_take_the_cluster_custom_resources(deployment):
+    from specdec.app import ray_actors
 
     # Each actor holds its node's one unit (after the restarts above too).
     available = ray.available_resources()
@@ -146,11 +149,9 @@ def test_actors_take_the_cluster_custom_resources(deployment, monkeypatch):
         ray_actors.wait_for_resources(["specdec_target", "specdec_nope"], timeout_s=0.1, poll_s=0.05)
 
     # Fixed worker ports for non-loopback binds (the NetworkPolicy opens only those); free ports on loopback.
-    monkeypatch.delenv(ray_actors.TARGET_PORT_ENV, raising=False)
-    monkeypatch.setenv(ray_actors.DRAFT_PORT_ENV, "50072")
-    assert ray_actors.worker_port(ray_actors.TARGET_PORT_ENV, 50061, "node-ip") == 50061
-    assert ray_actors.worker_port(ray_actors.DRAFT_PORT_ENV, 50062, "0.0.0.0") == 50072
-    assert ray_actors.worker_port(ray_actors.DRAFT_PORT_ENV, 50062, "127.0.0.1") not in (50072, 50062, 0)
+    assert ray_actors.worker_port("node-ip", 50061) == 50061
+    assert ray_actors.worker_port("0.0.0.0", 50072) == 50072
+    assert ray_actors.worker_port("127.0.0.1", 50072) not in (50072, 0)
 
 
 def test_grpc_clients_after_a_worker_restart_or_move():
@@ -159,7 +160,7 @@ def test_grpc_clients_after_a_worker_restart_or_move():
     from coordinator.errors import WorkerUnavailable
     from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
     from draft_worker import grpc_server as draft_server
-    from draft_worker.worker import DraftWorker, build_drafter
+    from draft_worker.worker import DraftWorker
     from specdec.round_types import DraftTask, VerifyOutcome, VerifyResult, VerifyTask
     from target_worker import grpc_server as target_server
 
@@ -196,7 +197,7 @@ def test_grpc_clients_after_a_worker_restart_or_move():
         client.close()
         server.stop(None)
 
-    first, first_port = draft_server.serve(DraftWorker(build_drafter("ngram")))
+    first, first_port = draft_server.serve(DraftWorker.from_config(DraftConfig(model=NGRAM)))
     current = {"address": f"127.0.0.1:{first_port}"}
     draft = GrpcDraftClient(current["address"])
     draft.resolve_address = lambda: current["address"]
@@ -204,7 +205,8 @@ def test_grpc_clients_after_a_worker_restart_or_move():
     try:
         draft.propose([DraftTask("a", [1, 2, 1, 2], 2, greedy)], [])
         first.stop(None).wait()
-        second, second_port = draft_server.serve(DraftWorker(build_drafter("ngram")))  # restarted elsewhere
+        # restarted elsewhere
+        second, second_port = draft_server.serve(DraftWorker.from_config(DraftConfig(model=NGRAM)))
         current["address"] = f"127.0.0.1:{second_port}"
         with pytest.raises(WorkerUnavailable, match=f"draft worker unavailable .*127.0.0.1:{first_port}"):
             draft.propose([DraftTask("a", [1], 2, greedy)], [])
@@ -218,18 +220,18 @@ def test_grpc_clients_after_a_worker_restart_or_move():
 
 
 def test_serve_waits_for_worker_nodes_and_never_shares_a_gpu_there(deployment, monkeypatch):
-    from argparse import Namespace
+    from specdec.app import ray_actors
+    from specdec.app.serve import ServeError, _plan_gpus
 
-    from coordinator import ray_actors
-    from coordinator.serve_command import ServeError, _plan_gpus
+    def config(draft):
+        return ServiceConfig.from_settings(device="cuda", worker_wait=0.1, draft=draft)
 
-    args = Namespace(device="cuda", worker_wait=0.1)
     # specdec_* resources present and the worker nodes joined: one GPU each, no waiting.
-    assert _plan_gpus(ray, args, "/models/draft", started=False) is None
+    assert _plan_gpus(ray, config("/models/draft"), started=False) is None
     # A cluster that lacks a worker group's resource: a clear error after --worker-wait.
     real = ray.cluster_resources
     monkeypatch.setattr(ray, "cluster_resources",
                         lambda: {k: v for k, v in real().items() if k != ray_actors.DRAFT_RESOURCE})
     with pytest.raises(ServeError, match="specdec_draft .*worker pods"):
-        _plan_gpus(ray, args, "/models/draft", started=False)
-    assert _plan_gpus(ray, args, "ngram", started=False) is None  # n-gram drafting needs no draft node
+        _plan_gpus(ray, config("/models/draft"), started=False)
+    assert _plan_gpus(ray, config(NGRAM), started=False) is None  # n-gram drafting needs no draft node

@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
-from coordinator.embedded import build_local_scheduler
-from coordinator.server import run_server_in_thread
+from coordinator.server_thread import run_server_in_thread
+from specdec import ServiceConfig
+from specdec.app.embedded import LocalSchedulerFactory
 from specdec.v1 import generation_pb2, generation_pb2_grpc
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
 from test_server_e2e import save_tokenizer
 
 MAX_POS = 128
@@ -35,9 +37,9 @@ def served(tmp_path_factory):
                               **CONFIGS["gqa_untied"])
     save_tokenizer(target)
     draft = perturbed_copy(target, tmp_path_factory.mktemp("prop-draft"), noise=0.1)
-    factory, tokenizer = build_local_scheduler(str(target), str(draft), num_speculative_tokens=4,
-                                               kv_cache_blocks=96, kv_block_size=8)
-    with run_server_in_thread(factory, tokenizer) as handle:
+    factory = LocalSchedulerFactory(ServiceConfig.from_settings(
+        target=str(target), draft=str(draft), num_speculative_tokens=4, kv_cache_blocks=96, kv_block_size=8))
+    with run_server_in_thread(factory, factory.tokenizer) as handle:
         channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
         yield SimpleNamespace(handle=handle, factory=factory, stub=generation_pb2_grpc.GenerationStub(channel))
         channel.close()
@@ -133,12 +135,13 @@ def check_answer(served, req: generation_pb2.GenerateRequest) -> None:
     if last.finish_reason == "length":
         assert n == limit
     assert all(0 <= t < VOCAB for r in responses for t in r.token_ids)
-    assert served.handle.server.engine._thread.is_alive()
+    assert served.handle.server.scheduler._thread.is_alive()
     event(f"completed: {last.finish_reason}")
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(req=generate_requests())
 def test_any_request_gets_a_stream_or_invalid_argument(served, req):
     check_answer(served, req)

@@ -2,8 +2,9 @@
 token, for every drafter, on several model shapes."""
 import pytest
 
-from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy
 from specdec import LocalEngine, SamplingParams
+
+from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150], list(range(40, 72))]
 NEW_TOKENS = 24

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import kubernetes_validate
@@ -59,7 +59,7 @@ needs_bash = pytest.mark.skipif(sys.platform == "win32" or shutil.which("bash") 
 # --- loading -----------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _docs(name: str) -> tuple[dict, ...]:
     """Parsed once per file (PyYAML is slow); callers must not modify what they get."""
     return tuple(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
@@ -151,7 +151,8 @@ def _covers(port_entry: dict, port: int) -> bool:
 
 
 def _policies_for(labels: dict) -> list[dict]:
-    return [d for _, d in _all_docs() if d["kind"] == "NetworkPolicy" and _selector_matches(d["spec"]["podSelector"], labels)]
+    return [d for _, d in _all_docs()
+            if d["kind"] == "NetworkPolicy" and _selector_matches(d["spec"]["podSelector"], labels)]
 
 
 def _allowed(port: int, dst_labels: dict, src_labels: dict | None) -> bool:
@@ -294,7 +295,8 @@ def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1
     # `ray health-check` succeeds once the fake head has started (like the real GCS), waiting
     # up to a second for it.
     _stub(bin_dir / "ray", f'echo "ray $*" >> {log}\n'
-                           f'if [ "$1" = health-check ]; then for i in $(seq 50); do [ -s {pid_file} ] && exit 0; sleep 0.02; done; exit 1; fi\n'
+                           f'if [ "$1" = health-check ]; then '
+                           f'for i in $(seq 50); do [ -s {pid_file} ] && exit 0; sleep 0.02; done; exit 1; fi\n'
                            f'if [ "$1" = stop ] && [ -s {pid_file} ]; then kill "$(cat {pid_file})" 2>/dev/null; fi\n'
                            'exit 0\n')
     _stub(bin_dir / "specdec", specdec_body.replace("LOG", str(log)).replace("RAY_PID_FILE", str(pid_file)))
@@ -310,7 +312,7 @@ def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1
         return log.read_text().splitlines() if log.exists() else []
 
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # generous: only a failing script waits this long
         while proc.poll() is None and time.monotonic() < deadline:
             if sum(x.startswith("specdec serve") for x in lines()) >= serve_starts:
                 break
@@ -318,7 +320,7 @@ def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1
         if sigterm and proc.poll() is None:
             time.sleep(0.2)  # let the script reach its wait
             proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=10)
+        code = proc.wait(timeout=30)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the stubs (same session)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from coordinator.request import Request
 from specdec import LocalEngine, SamplingParams
+from specdec.config import TargetConfig, WorkerConfig
 from specdec.kv_cache import BlockAllocator, KVCacheFull, PagedKVCache
 from specdec.model.llama import LlamaModel
 from specdec.model.runner import ModelRunner
@@ -285,7 +286,7 @@ def _snapshot(cache: PagedKVCache):
 def test_failed_pass_leaves_cache_unchanged(checkpoints):
     target_dir, _ = checkpoints
     model = LlamaModel.load(target_dir)
-    runner = ModelRunner(model, num_blocks=3, block_size=4)
+    runner = ModelRunner(model, WorkerConfig(kv_cache_blocks=3, kv_block_size=4))
     cache = runner.cache
     prompt = [5, 17, 42, 8, 3, 77, 21, 60]
     cache.add_sequence("a")
@@ -302,14 +303,14 @@ def test_failed_pass_leaves_cache_unchanged(checkpoints):
     assert _snapshot(cache) == before
     cache.check_accounting()
     # a pass that fails inside the model (token id outside the vocabulary) after slots were given
-    with pytest.raises(Exception):
+    with pytest.raises(IndexError, match="out of bounds"):
         runner.run(["a"], [[VOCAB + 7]], [1])
     assert _snapshot(cache) == before
     passes = runner.forward_passes
 
     # The surviving sequence still decodes exactly as on a fresh cache.
     logits = runner.run(["a"], [[9, 10]], [2])[0]
-    fresh = ModelRunner(model, num_blocks=3, block_size=4)
+    fresh = ModelRunner(model, WorkerConfig(kv_cache_blocks=3, kv_block_size=4))
     fresh.cache.add_sequence("a")
     expected = fresh.run(["a"], [prompt + [9, 10]], [2])[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
@@ -319,7 +320,7 @@ def test_failed_pass_leaves_cache_unchanged(checkpoints):
 
 def test_target_rejects_malformed_task_without_state_change(checkpoints):
     target_dir, _ = checkpoints
-    worker = TargetWorker(LlamaModel.load(target_dir), num_blocks=16, block_size=4)
+    worker = TargetWorker.from_config(TargetConfig(model=str(target_dir), kv_cache_blocks=16, kv_block_size=4))
     greedy = SamplingParams(max_new_tokens=10)
     worker.verify([VerifyTask("a", [1, 2, 3], [], None, greedy)], [])
     before = _snapshot(worker.cache)
@@ -359,7 +360,7 @@ def _random_q(rng: random.Random, tokens: list[int], vocab: int) -> SparseDist:
 def test_target_verify_with_random_drafts_keeps_accounting(checkpoints, seed):
     target_dir, _ = checkpoints
     rng = random.Random(seed)
-    worker = TargetWorker(LlamaModel.load(target_dir), num_blocks=60, block_size=4)
+    worker = TargetWorker.from_config(TargetConfig(model=str(target_dir), kv_cache_blocks=60, kv_block_size=4))
     cache = worker.cache
     max_len = worker.runner.max_seq_len
     committed: dict[str, list[int]] = {}
@@ -436,7 +437,7 @@ def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
     reasons: dict[str, str] = {}
     n_added = 0
     proposed = accepted = max_batch = 0
-    for step in range(80):
+    for _step in range(80):
         if n_added < 16 and rng.random() < 0.3:
             rid = f"c{n_added}"
             n_added += 1
@@ -456,7 +457,7 @@ def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
         elif live and rng.random() < 0.05:
             requests[rng.choice(live)].deadline = time.monotonic() - 1.0
         before = {rid: len(run.generated) for rid, run in sched.running.items()}
-        updates = sched.step()
+        updates = sched.step().updates
         max_batch = max(max_batch, len(sched.running))
         tcache.check_accounting()
         dcache.check_accounting()

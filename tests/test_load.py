@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from specdec.app import cli, loadtest
+
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
-from specdec import cli, loadtest
 from test_server_e2e import save_tokenizer
 
 STREAMS, TOKENS = 64, 200
@@ -41,7 +42,7 @@ def test_embedded_load_64_streams(models, tmp_path):
     args = parse(["--embedded", "--target", models.target, "--draft", models.draft, "-k", "4",
                   "--streams", str(STREAMS), "--max-new-tokens", str(TOKENS), "--cancel-fraction", "0.1",
                   "--temperature", "0.8", "--seed", "3", "--verify-sample", "2", "--timeout", "150",
-                  "--json", str(out_json), "--no-progress"])
+                  "--json", str(out_json), "--no-progress", "--max-batch-size", str(STREAMS)])
     out = io.StringIO()
     t0 = time.monotonic()
     with redirect_stdout(out):
@@ -81,8 +82,11 @@ def test_cli_registers_loadtest_and_unreachable_server_fails_fast():
                        "--timeout", "2", "--no-progress"])
     assert rc == 2 and "not reachable" in err.getvalue()
     assert time.monotonic() - t0 < 10
-    with redirect_stderr(io.StringIO()):
-        assert cli.main(["loadtest", "--embedded", "--streams", "1"]) == 2  # --embedded needs --target
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert cli.main(["loadtest", "--grpc-workers", "--streams", "1"]) == 2
+        assert cli.main(["loadtest", "--embedded", "--kv-block-size", "0", "--streams", "1"]) == 2
+    assert "--grpc-workers needs --embedded" in err.getvalue() and "target.kv_block_size" in err.getvalue()
 
 
 def _record(cfg, **kw):

@@ -20,11 +20,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
-from coordinator.engine import LocalEngine  # noqa: E402
-from coordinator.metrics import RoundMetrics, make_round_callback  # noqa: E402
+from coordinator.metrics import RoundMetrics  # noqa: E402
+from specdec import LocalEngine, ServiceConfig  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
 from specdec.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 17, 42, 5, 99, 7, 3, 17]
@@ -50,11 +51,11 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, models):
-    from coordinator.ray_actors import launch
+    from specdec.app.ray_actors import launch
 
     target, draft = models
-    dep = launch(str(target), str(draft), num_speculative_tokens=4, host="127.0.0.1", port=0,
-                 name_prefix="specdec-test", worker_cpus=0.5)
+    dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
+                                             host="127.0.0.1", port=0, name="specdec-test", worker_cpus=0.5))
     yield dep
     dep.drain_and_stop(grace_s=2)
 
@@ -102,7 +103,7 @@ def test_round_callback_with_and_without_ray(models):
     target, draft = models
     engine = LocalEngine(str(target), str(draft), num_speculative_tokens=3)
     quiet = RoundMetrics(export=False)
-    exported = make_round_callback("specdec-unit")  # Ray is initialised in this process here
+    exported = RoundMetrics("specdec-unit")  # Ray is initialised in this process here
     assert not quiet.exporting
     from coordinator.request import Request
 
@@ -111,12 +112,11 @@ def test_round_callback_with_and_without_ray(models):
     sched.add_request(Request("b", PROMPT[:3], SamplingParams(max_new_tokens=5, ignore_eos=True)))
     generated, finished = 0, {}
     while sched.has_work():
-        t0 = time.perf_counter()
-        updates = sched.step()
-        for cb in (quiet, exported):
-            cb(sched, updates, time.perf_counter() - t0)
-        generated += sum(len(u.token_ids) for u in updates)
-        for u in updates:
+        report = sched.step()
+        for callback in (quiet, exported):
+            callback(report)
+        generated += report.committed_tokens
+        for u in report.updates:
             if u.finished:
                 finished[u.req_id] = u.stats
     snap = quiet.snapshot()
@@ -153,7 +153,7 @@ def _wait_line(lines: queue.Queue, needle: str, timeout: float, seen: list[str])
 def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, models, tmp_path):
     """`specdec serve` (joining this module's Ray cluster): SIGTERM mid-request -> the request
     completes, new requests are refused, the process exits 0."""
-    from coordinator.ray_actors import free_port
+    from specdec.app.ray_actors import free_port
 
     target, draft = models
     port = free_port()
@@ -161,7 +161,7 @@ def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, mod
     stderr_path = tmp_path / "serve.stderr"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec.cli", "serve", "--target", str(target), "--draft", str(draft),
+            [sys.executable, "-m", "specdec.app.cli", "serve", "--target", str(target), "--draft", str(draft),
              "--host", "127.0.0.1", "--port", str(port), "--ray-address", ray_cluster, "--name", "specdec-sigterm",
              "--worker-cpus", "0.5", "--worker-host", "127.0.0.1", "--grace-period", "60", "--quiet"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)

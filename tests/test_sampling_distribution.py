@@ -11,11 +11,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import LlamaForCausalLM
-from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specdec import LocalEngine, SamplingParams
 
 from checkpoints import build_checkpoint, perturbed_copy
-from specdec import LocalEngine, SamplingParams
 
 VOCAB = 6
 PROMPT = [1, 4, 2]

@@ -49,7 +49,8 @@ def random_case(n: int, vocab: int, seed: int):
         )
         for _ in range(n)
     ]
-    tokens = [torch.randint(vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    tokens = [torch.randint(vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(n)]
     logits = torch.randn(n, vocab, generator=g) * 3
     return logits, tokens, params
 
@@ -79,7 +80,8 @@ def test_repetition_penalty_matches_hf_and_returns_new_tensor():
 def test_greedy_rows_are_exact_one_hot_and_filters_disable():
     logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(3))
     params = BatchSamplingParams.from_params(
-        [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)]
+        [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1),
+         SamplingParams(temperature=1.0, top_p=1e-6)]
     )
     probs = probs_from_logits(logits, params)
     onehot = torch.zeros(20).scatter_(0, logits[0].argmax()[None], 1.0)
@@ -108,7 +110,8 @@ def test_low_precision_logits_computed_in_float32(dtype):
 
 
 def test_repeat_interleave_and_from_params():
-    bp = BatchSamplingParams.from_params([SamplingParams(temperature=0.5, top_k=3), SamplingParams(top_p=0.5, repetition_penalty=1.2)])
+    bp = BatchSamplingParams.from_params([SamplingParams(temperature=0.5, top_k=3),
+                                          SamplingParams(top_p=0.5, repetition_penalty=1.2)])
     r = bp.repeat_interleave([2, 3])
     assert r.temperature.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0]
     assert r.top_k.tolist() == [3, 3, 0, 0, 0] and r.top_k.dtype == torch.int64
@@ -127,17 +130,17 @@ def test_presence_for_positions_matches_loop():
     B, K, V = 5, 4, 12
     base = torch.rand(B, V, generator=g) < 0.2
     draft = torch.randint(V, (B, K), generator=g)
-    num_draft = torch.tensor([0, 1, 4, 2, 3])
+    num_proposed = torch.tensor([0, 1, 4, 2, 3])
     draft[0] = -1  # padding may hold anything; it must never be read
-    out = presence_for_positions(base, draft, num_draft)
+    out = presence_for_positions(base, draft, num_proposed)
     assert out.shape == (B, K + 1, V)
     for b in range(B):
         for i in range(K + 1):
             expected = base[b].clone()
-            for j in range(min(i, int(num_draft[b]))):
+            for j in range(min(i, int(num_proposed[b]))):
                 expected[draft[b, j]] = True
             assert torch.equal(out[b, i], expected), (b, i)
-    assert torch.equal(presence_for_positions(base, draft[:, :0], num_draft * 0)[:, 0], base)
+    assert torch.equal(presence_for_positions(base, draft[:, :0], num_proposed * 0)[:, 0], base)
 
 
 def test_penalty_with_positions_makes_draft_and_target_agree():
@@ -153,7 +156,8 @@ def test_penalty_with_positions_makes_draft_and_target_agree():
         q_i = probs_from_logits(logits[i : i + 1], params, presence_mask([history + drafted], V))
         if i < K:
             drafted.append(int(torch.multinomial(q_i[0], 1, generator=g)))
-        pres = presence_for_positions(presence_mask([history], V), torch.tensor([drafted + [0] * (K - len(drafted))]), torch.tensor([K]))
+        pres = presence_for_positions(presence_mask([history], V), torch.tensor([drafted + [0] * (K - len(drafted))]),
+                                      torch.tensor([K]))
         p_i = probs_from_logits(logits[i : i + 1], params, pres[:, i])
         torch.testing.assert_close(p_i, q_i)
 

@@ -10,13 +10,14 @@ import pytest
 import torch
 import transformers
 
-from coordinator.clients import LocalDraftClient, LocalTargetClient
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler
 from draft_worker.ngram_drafter import NgramDrafter
 from draft_worker.worker import DraftWorker
 from specdec import LocalEngine, SamplingParams
+from specdec.config import NGRAM, DraftConfig, SchedulerConfig, WorkerConfig
 from specdec.model.llama import LlamaModel
+from specdec.model.runner import ModelRunner
 from target_worker.worker import TargetWorker
 
 VOCAB = 96
@@ -148,7 +149,7 @@ def test_every_round_commits_at_least_one_token(target_dir, draft):
     finished = set()
     while sched.has_work():
         before = {rid: len(run.generated) for rid, run in sched.running.items()}
-        updates = sched.step()
+        updates = sched.step().updates
         after_ids = set(before) | {u.req_id for u in updates}
         for u in updates:
             assert u.token_ids, f"{u.req_id} committed zero tokens in a round"
@@ -258,7 +259,7 @@ def test_per_request_speculative_tokens_give_identical_greedy_output(target_dir,
         sched.add_request(Request(f"mix{i}", p, SamplingParams(max_new_tokens=17), num_speculative_tokens=k))
     got = {}
     while sched.has_work():
-        for u in sched.step():
+        for u in sched.step().updates:
             got.setdefault(u.req_id, []).extend(u.token_ids)
     assert [got[f"mix{i}"] for i in range(4)] == expected
     _assert_caches_empty(engine)
@@ -333,7 +334,7 @@ def test_admission_waits_for_kv_blocks(target_dir, reference):
         sched.add_request(Request(f"w{i}", PROMPTS[i], SamplingParams(max_new_tokens=20 - len(PROMPTS[i]))))
     got, max_running = {}, 0
     while sched.has_work():
-        for u in sched.step():
+        for u in sched.step().updates:
             got.setdefault(u.req_id, []).extend(u.token_ids)
         max_running = max(max_running, len(sched.running))
         engine.target_worker.cache.check_accounting()
@@ -349,7 +350,7 @@ def test_max_batch_size_is_respected(target_dir, reference):
         sched.add_request(Request(f"b{i}", p, SamplingParams(max_new_tokens=8)))
     got = {}
     while sched.has_work():
-        for u in sched.step():
+        for u in sched.step().updates:
             got.setdefault(u.req_id, []).extend(u.token_ids)
         assert len(sched.running) <= 2
     assert [got[f"b{i}"] for i in range(4)] == [reference(p, 8) for p in PROMPTS]
@@ -366,7 +367,7 @@ def test_abort_running_request_frees_its_blocks_after_the_next_step(target_dir, 
     sched.add_request(Request("drop", PROMPTS[3], SamplingParams(max_new_tokens=30, temperature=1.0, seed=2)))
     got = {"keep": [], "drop": []}
     for _ in range(2):
-        for u in sched.step():
+        for u in sched.step().updates:
             got[u.req_id].extend(u.token_ids)
     assert tcache.has_sequence("drop")
     drop_blocks = len(tcache.block_table("drop"))
@@ -374,7 +375,7 @@ def test_abort_running_request_frees_its_blocks_after_the_next_step(target_dir, 
     assert sched.abort("drop") is True
     assert "drop" not in sched.running
     assert sched.abort("drop") is False and sched.abort("never-added") is False
-    for u in sched.step():
+    for u in sched.step().updates:
         assert u.req_id == "keep"
         got["keep"].extend(u.token_ids)
     assert not tcache.has_sequence("drop")
@@ -388,7 +389,7 @@ def test_abort_running_request_frees_its_blocks_after_the_next_step(target_dir, 
     # aborting the last running request: the next (idle) step flushes its blocks
     assert sched.abort("keep")
     assert not sched.running and sched.has_work()
-    assert sched.step() == []
+    assert sched.step().updates == []
     assert not sched.has_work()
     _assert_caches_empty(engine)
     # the kept request's tokens so far are exactly target greedy decoding
@@ -405,7 +406,7 @@ def test_abort_waiting_request_never_runs(target_dir):
     assert sched.abort("second")
     seen = set()
     while sched.has_work():
-        seen |= {u.req_id for u in sched.step()}
+        seen |= {u.req_id for u in sched.step().updates}
     assert seen == {"first"}
     _assert_caches_empty(engine)
 
@@ -415,13 +416,13 @@ def test_deadline_in_the_past_before_start(target_dir):
     sched = engine.scheduler
     sched.add_request(Request("late", PROMPTS[0], SamplingParams(max_new_tokens=5), deadline=time.monotonic() - 1))
     sched.add_request(Request("fine", PROMPTS[1], SamplingParams(max_new_tokens=5)))
-    updates = sched.step()
+    updates = sched.step().updates
     late = [u for u in updates if u.req_id == "late"]
     assert len(late) == 1 and late[0].finished and late[0].finish_reason == "deadline"
     assert late[0].token_ids == [] and late[0].error_kind == "deadline"
     assert late[0].stats is not None
     while sched.has_work():
-        assert all(u.req_id == "fine" for u in sched.step())
+        assert all(u.req_id == "fine" for u in sched.step().updates)
     _assert_caches_empty(engine)
 
 
@@ -433,11 +434,11 @@ def test_deadline_cuts_off_a_running_request(target_dir, draft):
     sched.add_request(req)
     got = []
     for _ in range(2):
-        for u in sched.step():
+        for u in sched.step().updates:
             got.extend(u.token_ids)
             assert not u.finished
     req.deadline = time.monotonic() - 0.001
-    updates = sched.step()
+    updates = sched.step().updates
     assert len(updates) == 1
     u = updates[0]
     assert u.finished and u.finish_reason == "deadline" and u.token_ids == []
@@ -462,7 +463,7 @@ def test_requests_join_between_steps_and_match_running_alone(target_dir, referen
         if step in joins:
             i = joins[step]
             sched.add_request(Request(f"j{i}", PROMPTS[i], SamplingParams(max_new_tokens=lens[i])))
-        updates = sched.step()
+        updates = sched.step().updates
         shared_rounds += len(updates) > 1
         for u in updates:
             got[u.req_id].extend(u.token_ids)
@@ -496,7 +497,7 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(target_dir, draft):
     sched.add_request(Request("seeded", PROMPTS[0], sp))
     got = []
     while sched.has_work():
-        for u in sched.step():
+        for u in sched.step().updates:
             if u.req_id == "seeded":
                 got.extend(u.token_ids)
     assert got == alone.token_ids
@@ -525,15 +526,15 @@ class FlakyTarget:
 
 def test_worker_failure_ends_the_round_and_frees_everything(target_dir, reference):
     model = LlamaModel.load(str(target_dir))
-    target = TargetWorker(model, num_blocks=64, block_size=4)
-    draft = DraftWorker(NgramDrafter())
-    flaky = FlakyTarget(LocalTargetClient(target), fail_on_call=3)
-    sched = Scheduler(flaky, LocalDraftClient(draft), tokenizer=None, num_speculative_tokens=3)
+    target = TargetWorker(ModelRunner(model, WorkerConfig(kv_cache_blocks=64, kv_block_size=4)))
+    draft = DraftWorker.from_config(DraftConfig(model=NGRAM))
+    flaky = FlakyTarget(target, fail_on_call=3)
+    sched = Scheduler(flaky, draft, None, SchedulerConfig(num_speculative_tokens=3))
     sched.add_request(Request("a", PROMPTS[0], SamplingParams(max_new_tokens=10)))
     sched.add_request(Request("b", PROMPTS[3], SamplingParams(max_new_tokens=10)))
     reasons = {}
     while sched.has_work():
-        for u in sched.step():
+        for u in sched.step().updates:
             if u.finished:
                 reasons[u.req_id] = u.finish_reason
                 if u.finish_reason == "error":
@@ -546,16 +547,15 @@ def test_worker_failure_ends_the_round_and_frees_everything(target_dir, referenc
     sched.add_request(Request("c", PROMPTS[1], SamplingParams(max_new_tokens=8)))
     got = []
     while sched.has_work():
-        for u in sched.step():
+        for u in sched.step().updates:
             got.extend(u.token_ids)
     assert got == reference(PROMPTS[1], 8)
     assert target.cache.allocator.num_used == 0
 
 
-def test_scheduler_rejects_negative_default_k(target_dir):
-    target = TargetWorker(LlamaModel.load(str(target_dir)), num_blocks=8, block_size=4)
-    with pytest.raises(ValueError):
-        Scheduler(LocalTargetClient(target), None, num_speculative_tokens=-1)
+def test_scheduler_config_rejects_a_negative_default(target_dir):
+    with pytest.raises(ValueError, match="scheduler.num_speculative_tokens"):
+        SchedulerConfig(num_speculative_tokens=-1)
 
 
 @pytest.mark.parametrize("draft", DRAFTS)
@@ -568,7 +568,7 @@ def test_request_id_can_be_reused_right_after_it_ends(target_dir, reference, dra
     def run_to_end(rid):
         got = []
         while sched.has_work():
-            for u in sched.step():
+            for u in sched.step().updates:
                 if u.req_id == rid:
                     got.extend(u.token_ids)
         return got

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import replace
 from types import SimpleNamespace
 
 import grpc
@@ -15,16 +16,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
-from coordinator.embedded import build_grpc_scheduler, build_local_scheduler
-from coordinator.engine import LocalEngine, build_local_workers
-from coordinator.server import SERVICE_NAME, run_server_in_thread
+from coordinator.server import SERVICE_NAME
+from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
-from specdec import client_command
+from specdec import LocalEngine, ServiceConfig
+from specdec.app import generate as generate_command
+from specdec.app.embedded import GrpcSchedulerFactory, LocalSchedulerFactory
 from specdec.client import GenerationClient
 from specdec.params import SamplingParams
 from target_worker import grpc_server as target_server
+from target_worker.worker import TargetWorker
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
 
 K = 4
 MAX_POS = 128
@@ -56,6 +60,11 @@ def models(tmp_path_factory):
     return SimpleNamespace(target=str(target), draft=str(draft))
 
 
+def service_config(models, draft="model", **settings) -> ServiceConfig:
+    return ServiceConfig.from_settings(target=models.target, draft=models.draft if draft == "model" else draft,
+                                       num_speculative_tokens=K, **KV, **settings)
+
+
 @pytest.fixture(scope="module")
 def reference(models):
     return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, **KV)
@@ -63,10 +72,10 @@ def reference(models):
 
 @pytest.fixture(scope="module")
 def served(models):
-    factory, tokenizer = build_local_scheduler(models.target, models.draft, num_speculative_tokens=K, **KV)
-    with run_server_in_thread(factory, tokenizer) as handle:
+    factory = LocalSchedulerFactory(service_config(models))
+    with run_server_in_thread(factory, factory.tokenizer) as handle:
         with GenerationClient(f"127.0.0.1:{handle.port}") as client:
-            yield SimpleNamespace(handle=handle, client=client, factory=factory, engine=handle.server.engine)
+            yield SimpleNamespace(handle=handle, client=client, factory=factory, scheduler=handle.server.scheduler)
 
 
 def expected(reference, prompt, n=24, k=None, **sampling):
@@ -74,8 +83,8 @@ def expected(reference, prompt, n=24, k=None, **sampling):
     return out
 
 
-def slow_rounds(engine, seconds):
-    engine.on_round = lambda scheduler, updates, dt: time.sleep(seconds)
+def slow_rounds(scheduler_thread, seconds):
+    scheduler_thread.on_round = lambda report: time.sleep(seconds)
 
 
 def wait_until(predicate, timeout=5.0):
@@ -98,7 +107,8 @@ def test_health_and_reflection(served):
     channel = grpc.insecure_channel(f"127.0.0.1:{served.handle.port}")
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", SERVICE_NAME):
-        assert stub.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        status = stub.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
     reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
@@ -138,22 +148,23 @@ def test_greedy_speculative_equals_target_only(served):
 def test_concurrent_streams_equal_one_at_a_time(served):
     jobs = [(PROMPTS[i % 4], dict(SAMPLED, seed=i) if i % 2 else {}, 16 + i) for i in range(8)]
     sequential = [served.client.generate(p, max_new_tokens=n, **s) for p, s, n in jobs]
-    widths = []
+    widths, tokens = [], []
 
-    def record(scheduler, updates, dt):
-        widths.append(len(updates))
+    def record(report):
+        widths.append(report.batch_size)
+        tokens.append(report.committed_tokens)
         time.sleep(0.002)  # lets the streams overlap
 
-    served.engine.on_round = record
+    served.scheduler.on_round = record
     try:
         with ThreadPoolExecutor(8) as pool:
             concurrent = list(pool.map(lambda j: served.client.generate(j[0], max_new_tokens=j[2], **j[1]), jobs))
     finally:
-        served.engine.on_round = None
+        served.scheduler.on_round = None
     for seq, conc in zip(sequential, concurrent):
         assert conc.token_ids == seq.token_ids and conc.text == seq.text and conc.finish_reason == "length"
     assert max(widths) > 1  # they really were batched together
-    assert served.engine.counters.rounds > 0 and served.engine.counters.tokens >= sum(n for *_, n in jobs)
+    assert sum(tokens) == sum(n for *_, n in jobs)  # the round reports account for every token
     assert wait_until(lambda: kv_used(served.factory) == 0)
 
 
@@ -182,28 +193,28 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(served, prompt, 
 
 
 def test_client_cancel_frees_kv_blocks(served):
-    slow_rounds(served.engine, 0.02)
+    slow_rounds(served.scheduler, 0.02)
     try:
         call = served.client.generate_stream([4, 8, 15, 16, 23, 42], max_new_tokens=100)
         first = next(call)
         assert first.token_ids and kv_used(served.factory) > 0
         call.cancel()
         assert wait_until(lambda: kv_used(served.factory) == 0)
-        assert not served.engine.scheduler.running and served.engine.num_active == 0
+        assert not served.scheduler.scheduler.running and served.scheduler.num_active == 0
     finally:
-        served.engine.on_round = None
+        served.scheduler.on_round = None
     assert served.client.generate("hello", max_new_tokens=4).finish_reason == "length"
 
 
 def test_deadline_exceeded_frees_kv_blocks(served):
-    slow_rounds(served.engine, 0.02)
+    slow_rounds(served.scheduler, 0.02)
     try:
         with pytest.raises(grpc.RpcError) as info:
             served.client.generate([4, 8, 15], max_new_tokens=100, timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert wait_until(lambda: kv_used(served.factory) == 0 and not served.engine.scheduler.running)
+        assert wait_until(lambda: kv_used(served.factory) == 0 and not served.scheduler.scheduler.running)
     finally:
-        served.engine.on_round = None
+        served.scheduler.on_round = None
 
 
 def test_stop_string(served, reference):
@@ -217,18 +228,18 @@ def test_stop_string(served, reference):
 def test_cli_generate(served, reference):
     want = expected(reference, PROMPTS[3], n=12)
     parser = __import__("argparse").ArgumentParser()
-    client_command.add_arguments(parser)
+    generate_command.add_arguments(parser)
     out, err = io.StringIO(), io.StringIO()
     args = parser.parse_args([PROMPTS[3], "--address", f"127.0.0.1:{served.handle.port}", "--max-new-tokens", "12",
                               "--stats"])
     with redirect_stdout(out), redirect_stderr(err):
-        assert client_command.run(args) == 0
+        assert generate_command.run(args) == 0
     assert out.getvalue() == want.text + "\n"
     assert "finish_reason=length" in err.getvalue() and "generated_tokens=12" in err.getvalue()
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        assert client_command.run(parser.parse_args(["x", "--address", "127.0.0.1:1"])) == 1
-        assert client_command.run(parser.parse_args(["x", "--address", f"127.0.0.1:{served.handle.port}",
+        assert generate_command.run(parser.parse_args(["x", "--address", "127.0.0.1:1"])) == 1
+        assert generate_command.run(parser.parse_args(["x", "--address", f"127.0.0.1:{served.handle.port}",
                                                      "--top-p", "2"])) == 1
     lines = err.getvalue().splitlines()
     assert lines[0].startswith("error: server not reachable at 127.0.0.1:1")
@@ -239,15 +250,15 @@ def test_cli_generate(served, reference):
 
 
 def test_graceful_stop_and_auth(models):
-    factory, tokenizer = build_local_scheduler(models.target, models.draft, num_speculative_tokens=K, **KV)
-    with run_server_in_thread(factory, tokenizer, auth_token="s3cret") as handle:
+    factory = LocalSchedulerFactory(service_config(models))
+    with run_server_in_thread(factory, factory.tokenizer, replace(LOOPBACK_SERVER, auth_token="s3cret")) as handle:
         address = f"127.0.0.1:{handle.port}"
         with pytest.raises(grpc.RpcError) as info:
             GenerationClient(address).generate("hi", max_new_tokens=2)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         client = GenerationClient(address, token="s3cret")
         assert client.generate("hi", max_new_tokens=2).finish_reason == "length"
-        slow_rounds(handle.server.engine, 0.02)
+        slow_rounds(handle.server.scheduler, 0.02)
         call = client.generate_stream([3, 1, 4, 1, 5], max_new_tokens=40)
         first = next(call)
         stopper = threading.Thread(target=handle.stop, args=(10.0,))
@@ -266,13 +277,12 @@ def test_graceful_stop_and_auth(models):
 
 
 def test_workers_over_grpc(models, reference):
-    target_worker, draft_worker = build_local_workers(models.target, models.draft, **KV)
+    config = service_config(models)
+    target_worker, draft_worker = TargetWorker.from_config(config.target), DraftWorker.from_config(config.draft)
     tserver, tport = target_server.serve(target_worker)
     dserver, dport = draft_server.serve(draft_worker)
-    assert isinstance(draft_worker, DraftWorker)
     try:
-        factory = build_grpc_scheduler(f"127.0.0.1:{dport}", f"127.0.0.1:{tport}", models.target,
-                                       num_speculative_tokens=K)
+        factory = GrpcSchedulerFactory(config, f"127.0.0.1:{tport}", f"127.0.0.1:{dport}")
         with run_server_in_thread(factory, factory.tokenizer) as handle:
             client = GenerationClient(f"127.0.0.1:{handle.port}")
             for sampling in ({}, dict(SAMPLED, seed=3)):
@@ -280,16 +290,15 @@ def test_workers_over_grpc(models, reference):
                 got = client.generate(PROMPTS[0], max_new_tokens=24, **sampling)
                 assert got.token_ids == want.token_ids and got.text == want.text
                 assert got.stats.rounds == want.stats.target_forward_passes
-            counters = handle.server.engine.counters
-            assert counters.bytes_sent > 0 and counters.bytes_received > 0 and counters.last_round_bytes_sent > 0
+            for counter in factory.wire.values():  # two rounds' worth at least, each way
+                assert counter.rounds >= 2 and counter.bytes_sent > 0 and counter.bytes_received > 0
             assert wait_until(lambda: target_worker.cache.allocator.num_used == 0)
             tserver.stop(None)  # the target worker goes away: requests fail with UNAVAILABLE
             with pytest.raises(grpc.RpcError) as info:
                 client.generate(PROMPTS[0], max_new_tokens=8)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in info.value.details()
             client.close()
-        factory.target_client.close()
-        factory.draft_client.close()
+        factory.close()
     finally:
         tserver.stop(None)
         dserver.stop(None)
@@ -301,14 +310,14 @@ def health_status(port) -> int:
 
 
 def test_not_serving_until_ready_and_requests_wait(models, reference):
-    factory, tokenizer = build_local_scheduler(models.target, models.draft, num_speculative_tokens=K, **KV)
+    factory = LocalSchedulerFactory(service_config(models))
     gate = threading.Event()
 
     def slow_factory():
         gate.wait(10)
         return factory()
 
-    with run_server_in_thread(slow_factory, tokenizer, wait_ready=False) as handle:
+    with run_server_in_thread(slow_factory, factory.tokenizer, wait_ready=False) as handle:
         assert health_status(handle.port) == health_pb2.HealthCheckResponse.NOT_SERVING
         client = GenerationClient(f"127.0.0.1:{handle.port}")
         with ThreadPoolExecutor(1) as pool:
@@ -326,7 +335,7 @@ def test_engine_start_failure_is_unavailable():
         raise FileNotFoundError("no checkpoint at /nowhere")
 
     with run_server_in_thread(broken, None, wait_ready=False) as handle:
-        assert wait_until(lambda: handle.server.engine.ready.is_set())
+        assert wait_until(lambda: handle.server.scheduler.ready.is_set())
         assert health_status(handle.port) == health_pb2.HealthCheckResponse.NOT_SERVING
         with GenerationClient(f"127.0.0.1:{handle.port}") as client:
             with pytest.raises(grpc.RpcError) as info:
@@ -344,8 +353,9 @@ def test_tls(models, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
-    factory, tokenizer = build_local_scheduler(models.target, None, **KV)
-    with run_server_in_thread(factory, tokenizer, tls_cert=str(cert), tls_key=str(key)) as handle:
+    factory = LocalSchedulerFactory(service_config(models, draft=None))
+    tls = replace(LOOPBACK_SERVER, tls_cert=str(cert), tls_key=str(key))
+    with run_server_in_thread(factory, factory.tokenizer, tls) as handle:
         with GenerationClient(f"127.0.0.1:{handle.port}", tls_ca=str(cert)) as client:
             assert len(client.generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
         with GenerationClient(f"127.0.0.1:{handle.port}") as plain:

@@ -65,13 +65,14 @@ def test_step_distribution_equals_p(case):
 
 # ---------------------------------------------------------------- Monte-Carlo
 
-def run_sampled(p, q, B, seed, num_draft=None):
+def run_sampled(p, q, B, seed, num_proposed=None):
     """B independent rounds of the same p [K+1,V] / q [K,V]; draft tokens drawn from q."""
     K1, V = p.shape
     K = K1 - 1
     g = torch.Generator().manual_seed(seed)
-    draft = torch.stack([torch.multinomial(q[i], B, replacement=True, generator=g) for i in range(K)], 1) if K else torch.zeros(B, 0, dtype=torch.long)
-    nd = torch.full((B,), K) if num_draft is None else num_draft
+    draft = (torch.stack([torch.multinomial(q[i], B, replacement=True, generator=g) for i in range(K)], 1) if K
+             else torch.zeros(B, 0, dtype=torch.long))
+    nd = torch.full((B,), K) if num_proposed is None else num_proposed
     n_acc, nxt = speculative_verify(
         p.expand(B, -1, -1), q.expand(B, -1, -1), draft, nd, torch.zeros(B, dtype=torch.bool),
         torch.rand(B, K, generator=g), torch.rand(B, generator=g),
@@ -126,12 +127,12 @@ def test_monte_carlo_one_step_accept_rate_and_bonus():
     assert_counts_match(np.bincount(nxt[n_acc == 0].numpy(), minlength=V), resid)
 
 
-def test_monte_carlo_k0_and_partial_num_draft():
+def test_monte_carlo_k0_and_partial_num_proposed():
     V, K, B = 6, 3, 20000
     p = dirichlet((K + 1, V), seed=12).float()
     q = dirichlet((K, V), seed=13).float()
     nd = torch.arange(B) % 2  # rows with 0 or 1 real draft tokens; the rest is padding
-    draft, n_acc, nxt = run_sampled(p, q, B, seed=14, num_draft=nd)
+    draft, n_acc, nxt = run_sampled(p, q, B, seed=14, num_proposed=nd)
     assert (n_acc <= nd).all()
     first = output_token(draft, n_acc, nxt, 0)
     assert_counts_match(np.bincount(first.numpy(), minlength=V), p[0].double().numpy())
@@ -152,14 +153,16 @@ def test_greedy_rows():
     # Target argmaxes per row/position, and drafts that match for a prefix.
     target = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 0], [1, 2, 3, 4]]
     draft = torch.tensor([[1, 2, 3], [1, 7, 3], [0, 6, 7], [1, 2, -1]])
-    num_draft = torch.tensor([3, 3, 3, 2])
+    num_proposed = torch.tensor([3, 3, 3, 2])
     p = torch.stack([one_hot(t, V) for t in target])
     q = torch.zeros(4, K, V)  # greedy requests carry no q
-    n_acc, nxt = speculative_verify(p, q, draft, num_draft, torch.ones(4, dtype=torch.bool), torch.rand(4, K), torch.rand(4))
+    n_acc, nxt = speculative_verify(p, q, draft, num_proposed, torch.ones(4, dtype=torch.bool), torch.rand(4, K),
+                                    torch.rand(4))
     assert n_acc.tolist() == [3, 1, 0, 2]  # all + bonus, first rejected at 1, at 0, padding ignored
     assert nxt.tolist() == [4, 2, 5, 3]
-    n_acc, nxt = speculative_verify(p, q, draft, torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool), torch.rand(4, K), torch.rand(4))
-    assert n_acc.tolist() == [0] * 4 and nxt.tolist() == [1, 1, 5, 1]  # num_draft = 0: target's own token
+    n_acc, nxt = speculative_verify(p, q, draft, torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool),
+                                    torch.rand(4, K), torch.rand(4))
+    assert n_acc.tolist() == [0] * 4 and nxt.tolist() == [1, 1, 5, 1]  # num_proposed = 0: target's own token
 
 
 def test_mixed_greedy_and_sampled_rows_with_garbage_padding():
@@ -174,9 +177,10 @@ def test_mixed_greedy_and_sampled_rows_with_garbage_padding():
     p[2, :1] = torch.tensor([[0, 0.25, 0.25, 0.5, 0, 0]])
     q[2, :1] = torch.tensor([[0, 0, 0, 0, 1.0, 0]])
     draft = torch.tensor([[2, -1, 99], [1, 2, -7], [4, 10**6, -1]])
-    num_draft = torch.tensor([1, 2, 1])
+    num_proposed = torch.tensor([1, 2, 1])
     greedy = torch.tensor([True, False, False])
-    n_acc, nxt = speculative_verify(p, q, draft, num_draft, greedy, torch.full((3, K), 0.999), torch.tensor([0.3, 0.3, 0.9]))
+    n_acc, nxt = speculative_verify(p, q, draft, num_proposed, greedy, torch.full((3, K), 0.999),
+                                    torch.tensor([0.3, 0.3, 0.9]))
     assert n_acc.tolist() == [1, 2, 0]
     assert nxt.tolist() == [4, 5, 3]  # greedy bonus; sampled bonus from p_2; residual = p_0 here
 
@@ -206,7 +210,8 @@ def test_accept_rule_exact_thresholds():
     q = torch.tensor([[[0.4, 0.6]]]).expand(4, 1, 2)
     draft = torch.tensor([[0], [0], [1], [1]])
     u = torch.tensor([[0.49], [0.51], [0.9999999], [0.0]])
-    n_acc, _ = speculative_verify(p, q, draft, torch.ones(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool), u, torch.rand(4))
+    n_acc, _ = speculative_verify(p, q, draft, torch.ones(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool), u,
+                                  torch.rand(4))
     assert n_acc.tolist() == [1, 0, 1, 1]
 
 
@@ -214,8 +219,10 @@ def test_accept_rule_exact_thresholds():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-30, 1.0)), min_size=1, max_size=40).filter(lambda w: sum(w) > 0),
-    u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.floats(1 - 1e-6, 1.0, exclude_max=True), st.just(float(np.nextafter(np.float32(1), np.float32(0))))),
+    weights=(st.lists(st.one_of(st.just(0.0), st.floats(1e-30, 1.0)), min_size=1, max_size=40)
+             .filter(lambda w: sum(w) > 0)),
+    u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.floats(1 - 1e-6, 1.0, exclude_max=True),
+                st.just(float(np.nextafter(np.float32(1), np.float32(0))))),
     tail_zeros=st.integers(0, 5),
 )
 def test_sample_from_probs_never_picks_zero_probability(weights, u, tail_zeros):

@@ -7,7 +7,14 @@ import torch
 from specdec import wire
 from specdec.params import SamplingParams
 from specdec.round_types import (
-    DraftInfo, DraftProposal, DraftTask, SparseDist, TargetInfo, VerifyOutcome, VerifyResult, VerifyTask,
+    DraftInfo,
+    DraftProposal,
+    DraftTask,
+    SparseDist,
+    TargetInfo,
+    VerifyOutcome,
+    VerifyResult,
+    VerifyTask,
 )
 from specdec.v1 import generation_pb2, worker_pb2
 
@@ -93,9 +100,12 @@ def test_draft_round_round_trip():
     assert got_tasks == tasks and got_finished == ["x", "y"]
 
     zero_rows = SparseDist(token_ids=torch.zeros(0, 1, dtype=torch.int64), probs=torch.zeros(0, 1))
-    proposals = [DraftProposal("a", [4, 5, 6], q, 3), DraftProposal("b", [], None, 0), DraftProposal("c", [], zero_rows)]
+    proposals = [DraftProposal("a", [4, 5, 6], q, 3), DraftProposal("b", [], None, 0),
+                 DraftProposal("c", [], zero_rows)]
     back = wire.draft_reply_from_proto(through_bytes(wire.draft_reply_to_proto(proposals)))
-    assert [(p.req_id, p.tokens, p.draft_forward_passes) for p in back] == [("a", [4, 5, 6], 3), ("b", [], 0), ("c", [], 0)]
+    assert [(p.req_id, p.tokens, p.draft_forward_passes) for p in back] == [
+        ("a", [4, 5, 6], 3), ("b", [], 0), ("c", [], 0)
+    ]
     assert torch.equal(back[0].q.to_dense(1000), q.to_dense(1000))
     assert back[1].q is None  # greedy: no q at all
     assert back[2].q is not None and back[2].q.num_positions == 0  # present-but-empty stays present
@@ -112,7 +122,8 @@ def test_verify_round_round_trip():
     ]
     assert torch.equal(got[0].q.to_dense(1000), q.to_dense(1000)) and got[1].q is None
 
-    result = VerifyResult([VerifyOutcome("a", 2, [4, 5, 9]), VerifyOutcome("b", 0, [3])], kv_blocks_used=7, kv_blocks_total=64)
+    result = VerifyResult([VerifyOutcome("a", 2, [4, 5, 9]), VerifyOutcome("b", 0, [3])],
+                          kv_blocks_used=7, kv_blocks_total=64)
     assert wire.verify_reply_from_proto(through_bytes(wire.verify_reply_to_proto(result))) == result
 
 
@@ -143,8 +154,3 @@ def test_generate_request_defaults_and_overrides():
                 generation_pb2.GenerateRequest(num_speculative_tokens=-1)]:
         with pytest.raises(ValueError):
             wire.params_from_generate_request(bad)
-
-
-def test_wire_bytes_is_serialized_size():
-    msg = wire.draft_round_to_proto([DraftTask("a", [1, 2, 3], 4, SamplingParams())], ["z"])
-    assert wire.wire_bytes(msg) == len(msg.SerializeToString()) > 0

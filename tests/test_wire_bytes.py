@@ -21,17 +21,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from checkpoints import build_checkpoint, perturbed_copy
-from coordinator.engine import build_local_workers
 from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from coordinator.metrics import RoundMetrics
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler
 from draft_worker import grpc_server as draft_server
-from specdec import loadtest
+from draft_worker.worker import DraftWorker
+from specdec import ServiceConfig
+from specdec.app import loadtest
+from specdec.config import SchedulerConfig
 from specdec.params import SamplingParams
 from specdec.v1 import worker_pb2
 from target_worker import grpc_server as target_server
+from target_worker.worker import TargetWorker
+
+from checkpoints import build_checkpoint, perturbed_copy
 
 VOCAB, K, MAX_Q = 4096, 4, 256
 SEQS, TOKENS = 4, 24
@@ -64,8 +68,8 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def workers(models):
-    target_worker, draft_worker = build_local_workers(models.target, models.draft, kv_cache_blocks=64,
-                                                      kv_block_size=16)
+    config = ServiceConfig.from_settings(target=models.target, draft=models.draft, kv_cache_blocks=64)
+    target_worker, draft_worker = TargetWorker.from_config(config.target), DraftWorker.from_config(config.draft)
     assert draft_worker.drafter.max_q_entries == MAX_Q
     tserver, tport = target_server.serve(target_worker)
     dserver, dport = draft_server.serve(draft_worker)
@@ -83,31 +87,30 @@ def run_rounds(workers, params: SamplingParams | list[SamplingParams]) -> dict:
     target = GrpcTargetClient(workers[1])
     draft_log, target_log = Recording(draft), Recording(target)
     try:
-        sched = Scheduler(target, draft, None, num_speculative_tokens=K, max_batch_size=SEQS)
+        sched = Scheduler(target, draft, None, SchedulerConfig(num_speculative_tokens=K, max_batch_size=SEQS))
         for i, prompt in enumerate(PROMPTS):
             sched.add_request(Request(f"r{i}", prompt, dataclasses.replace(params[i], seed=i)))
-        metrics = RoundMetrics(export=False)
+        metrics = RoundMetrics(wire={"draft": draft.wire, "target": target.wire}, export=False)
         rounds = []
+        dw, tw = draft.wire, target.wire
         while sched.has_work():
-            before = (draft.rounds, target.rounds, draft.bytes_sent + draft.bytes_received,
-                      target.bytes_sent + target.bytes_received, sched.total_rounds, len(sched.running))
-            updates = sched.step()
-            metrics(sched, updates, 0.0)
-            if sched.total_rounds == before[4]:
+            before = (dw.rounds, tw.rounds, dw.bytes_sent + dw.bytes_received, tw.bytes_sent + tw.bytes_received)
+            report = sched.step()
+            metrics(report)
+            if not report.ran:
                 continue  # nothing ran (releases only)
             rounds.append(dict(
-                draft_rpcs=draft.rounds - before[0], target_rpcs=target.rounds - before[1],
-                draft_bytes=draft.bytes_sent + draft.bytes_received - before[2],
-                target_bytes=target.bytes_sent + target.bytes_received - before[3],
-                seqs=before[5] or len(sched.running), tokens=sum(len(u.token_ids) for u in updates)))
+                draft_rpcs=dw.rounds - before[0], target_rpcs=tw.rounds - before[1],
+                draft_bytes=dw.bytes_sent + dw.bytes_received - before[2],
+                target_bytes=tw.bytes_sent + tw.bytes_received - before[3],
+                seqs=report.batch_size, tokens=report.committed_tokens))
         draft_q = [(p.req_id, p.q) for _, reply in draft_log.messages
                    for p in worker_pb2.DraftRoundReply.FromString(reply).proposals if p.HasField("q")]
         verify_q = [(t.req_id, t.q) for request, _ in target_log.messages
                     for t in worker_pb2.VerifyRoundRequest.FromString(request).tasks if t.HasField("q")]
         return dict(rounds=rounds, draft_q=[q for _, q in draft_q], verify_q=[q for _, q in verify_q],
                     q_req_ids={r for r, _ in draft_q + verify_q}, metrics=metrics.snapshot(),
-                    draft_total=draft.bytes_sent + draft.bytes_received,
-                    target_total=target.bytes_sent + target.bytes_received)
+                    draft_total=dw.bytes_sent + dw.bytes_received, target_total=tw.bytes_sent + tw.bytes_received)
     finally:
         draft.close()
         target.close()

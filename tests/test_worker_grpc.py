@@ -10,7 +10,14 @@ from draft_worker import grpc_server as draft_server
 from specdec import wire
 from specdec.params import SamplingParams
 from specdec.round_types import (
-    DraftInfo, DraftProposal, DraftTask, SparseDist, TargetInfo, VerifyOutcome, VerifyResult, VerifyTask,
+    DraftInfo,
+    DraftProposal,
+    DraftTask,
+    SparseDist,
+    TargetInfo,
+    VerifyOutcome,
+    VerifyResult,
+    VerifyTask,
 )
 from target_worker import grpc_server as target_server
 
@@ -40,7 +47,9 @@ class FakeDraft:
                 raise ValueError("k too large for request bad")
             if t.req_id == "boom":
                 raise RuntimeError("draft exploded")
-        return [DraftProposal(t.req_id, [len(t.new_tokens)] * t.k, None if t.params.greedy else q_for(t.k), t.k) for t in tasks]
+        return [DraftProposal(t.req_id, [len(t.new_tokens)] * t.num_speculative_tokens,
+                              None if t.params.greedy else q_for(t.num_speculative_tokens),
+                              t.num_speculative_tokens) for t in tasks]
 
 
 class FakeTarget:
@@ -96,15 +105,16 @@ def test_propose_round_trips_on_one_stream_and_counts_bytes(draft):
 
     request = wire.draft_round_to_proto(tasks, ["old"])
     reply = wire.draft_reply_to_proto(proposals)
-    assert client.last_round_bytes_sent == wire.wire_bytes(request)
-    assert client.last_round_bytes_received == wire.wire_bytes(reply)
+    assert (client.wire.rounds, client.wire.bytes_sent, client.wire.bytes_received) == \
+        (1, request.ByteSize(), reply.ByteSize())
 
     stream = client._call
-    client.propose([DraftTask("a", [7], 1, GREEDY)], finished=[])
+    second = [DraftTask("a", [7], 1, GREEDY)]
+    second_reply = wire.draft_reply_to_proto(client.propose(second, finished=[]))
     assert client._call is stream, "rounds must reuse the open stream"
-    assert client.rounds == 2
-    assert client.bytes_sent == wire.wire_bytes(request) + client.last_round_bytes_sent
-    assert client.bytes_received > client.last_round_bytes_received > 0
+    assert client.wire.rounds == 2
+    assert client.wire.bytes_sent == request.ByteSize() + wire.draft_round_to_proto(second, []).ByteSize()
+    assert client.wire.bytes_received == reply.ByteSize() + second_reply.ByteSize()
 
 
 def test_verify_round_trips(target):
@@ -115,7 +125,7 @@ def test_verify_round_trips(target):
     assert result == VerifyResult([VerifyOutcome("a", 2, [5, 6, 99]), VerifyOutcome("b", 0, [99])], 2, 32)
     assert torch.equal(worker.seen_q["a"].to_dense(64), q.to_dense(64)) and worker.seen_q["b"] is None
     assert worker.finished == ["z"]
-    assert client.last_round_bytes_sent > 0 and client.last_round_bytes_received > 0
+    assert client.wire.rounds == 1 and client.wire.bytes_sent > 0 and client.wire.bytes_received > 0
 
 
 @pytest.mark.parametrize("side", ["draft", "target"])

@@ -53,7 +53,8 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     col = torch.arange(qmax)
     lens = torch.tensor(query_lens)
     is_token = col[None, :] < lens[:, None]
-    token_index = torch.where(is_token, starts[:, None] + col[None, :], torch.full_like(is_token, total, dtype=torch.long))
+    token_index = torch.where(is_token, starts[:, None] + col[None, :],
+                              torch.full_like(is_token, total, dtype=torch.long))
     flat_positions = torch.cat(positions)
     padded_positions = torch.cat([flat_positions, torch.zeros(1, dtype=torch.long)])[token_index]
     return ForwardBatch(

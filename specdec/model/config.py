@@ -26,7 +26,7 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @staticmethod
-    def from_dict(raw: dict) -> "LlamaConfig":
+    def from_dict(raw: dict) -> LlamaConfig:
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type", "llama")
         if model_type != "llama" and not any("Llama" in a for a in archs):
@@ -63,7 +63,7 @@ class LlamaConfig:
         )
 
     @staticmethod
-    def from_dir(path: str | Path) -> "LlamaConfig":
+    def from_dir(path: str | Path) -> LlamaConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")

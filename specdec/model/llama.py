@@ -51,7 +51,7 @@ class LlamaModel:
         self._kv_size = config.num_key_value_heads * config.head_dim
 
     @staticmethod
-    def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> "LlamaModel":
+    def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> LlamaModel:
         torch_dtype = resolve_dtype(dtype)
         if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
             raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
@@ -69,7 +69,7 @@ class LlamaModel:
             total += sum(t.numel() for t in vars(layer).values() if t is not None)
         return total
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
         return PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
                             c.head_dim, self.device, self.dtype)

@@ -3,29 +3,40 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kv_cache import PagedKVCache
+from specdec.config import WorkerConfig
+from specdec.kv_cache import PagedKVCache, blocks_for_tokens
 from specdec.model.batch import prepare_forward
 from specdec.model.llama import LlamaModel
 
+# Without an explicit size the cache holds this many sequences of the model's full context.
+DEFAULT_FULL_SEQUENCES = 32
 
-def default_num_blocks(model: LlamaModel, block_size: int, max_cache_bytes: int,
-                       max_full_sequences: int = 32) -> int:
-    """Room for `max_full_sequences` sequences of the full context, capped by a memory budget
+
+def default_num_blocks(model: LlamaModel, block_size: int, max_cache_bytes: int) -> int:
+    """Room for DEFAULT_FULL_SEQUENCES sequences of the full context, capped by a memory budget
     (the cache is allocated up front, so an oversized default costs real memory)."""
     c = model.config
-    bytes_per_block = 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * model.weights.embed.element_size()
-    wanted = max_full_sequences * -(-c.max_position_embeddings // block_size)
+    bytes_per_block = (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
+                       * model.weights.embed.element_size())
+    wanted = DEFAULT_FULL_SEQUENCES * blocks_for_tokens(c.max_position_embeddings, block_size)
     return max(1, min(wanted, max_cache_bytes // bytes_per_block))
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int | None = None, block_size: int = 16,
-                 max_cache_bytes: int = 1 << 30):
+    def __init__(self, model: LlamaModel, config: WorkerConfig):
         self.model = model
+        num_blocks = config.kv_cache_blocks
         if num_blocks is None:
-            num_blocks = default_num_blocks(model, block_size, max_cache_bytes)
-        self.cache: PagedKVCache = model.new_kv_cache(num_blocks, block_size)
+            num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
+        self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)
         self.forward_passes = 0
+
+    @staticmethod
+    def load(config: WorkerConfig, path: str) -> ModelRunner:
+        """Load the checkpoint at `path` as `config` says (device, dtype, threads) with its cache."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        return ModelRunner(LlamaModel.load(path, config.device, config.resolved_dtype), config)
 
     @property
     def vocab_size(self) -> int:

@@ -67,13 +67,15 @@ def build_weights(config: LlamaConfig, raw: dict[str, torch.Tensor], device: tor
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
         layers.append(LayerWeights(
             input_norm=take(f"{p}.input_layernorm.weight"),
-            qkv=torch.cat([take(f"{attn}.q_proj.weight"), take(f"{attn}.k_proj.weight"), take(f"{attn}.v_proj.weight")]),
+            qkv=torch.cat([take(f"{attn}.q_proj.weight"), take(f"{attn}.k_proj.weight"),
+                           take(f"{attn}.v_proj.weight")]),
             qkv_bias=cat_optional([maybe(f"{attn}.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None,
             o_proj=take(f"{attn}.o_proj.weight"),
             o_bias=maybe(f"{attn}.o_proj.bias") if config.attention_bias else None,
             post_norm=take(f"{p}.post_attention_layernorm.weight"),
             gate_up=torch.cat([take(f"{mlp}.gate_proj.weight"), take(f"{mlp}.up_proj.weight")]),
-            gate_up_bias=cat_optional([maybe(f"{mlp}.gate_proj.bias"), maybe(f"{mlp}.up_proj.bias")]) if config.mlp_bias else None,
+            gate_up_bias=(cat_optional([maybe(f"{mlp}.gate_proj.bias"), maybe(f"{mlp}.up_proj.bias")])
+                          if config.mlp_bias else None),
             down=take(f"{mlp}.down_proj.weight"),
             down_bias=maybe(f"{mlp}.down_proj.bias") if config.mlp_bias else None,
         ))

@@ -1,7 +1,7 @@
 """Speculative sampling math (Leviathan et al. 2023; Chen et al. 2023), batched over sequences.
 
-Row b proposed draft_tokens[b, :num_draft[b]], token i sampled from q[b, i]. The target scored
-every prefix, giving p[b, i] for i = 0..K (p[b, num_draft] is the "bonus" position). Accepting
+Row b proposed draft_tokens[b, :num_proposed[b]], token i sampled from q[b, i]. The target scored
+every prefix, giving p[b, i] for i = 0..K (p[b, num_proposed] is the "bonus" position). Accepting
 t_i with probability min(1, p_i(t_i) / q_i(t_i)) and, at the first rejection, sampling from
 norm(max(0, p - q)) makes every committed token distributed exactly as p. Greedy rows use the
 degenerate version: accept while the target's argmax agrees.
@@ -37,8 +37,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 def speculative_verify(
     p: torch.Tensor,  # [B, K+1, V] target probs
     q: torch.Tensor,  # [B, K, V] draft probs the draft tokens were sampled from
-    draft_tokens: torch.Tensor,  # [B, K] int64, padding beyond num_draft
-    num_draft: torch.Tensor,  # [B] int64, <= K
+    draft_tokens: torch.Tensor,  # [B, K] int64, padding beyond num_proposed
+    num_proposed: torch.Tensor,  # [B] int64, <= K
     greedy: torch.Tensor,  # [B] bool
     u_accept: torch.Tensor,  # [B, K] uniforms for the accept tests
     u_resample: torch.Tensor,  # [B] uniforms for the correction / bonus token
@@ -51,10 +51,10 @@ def speculative_verify(
     K = K1 - 1
     dev = p.device
     rows = torch.arange(B, device=dev)
-    num_draft = num_draft.to(dev)
+    num_proposed = num_proposed.to(dev)
     greedy = greedy.to(dev)
     tokens = draft_tokens.to(dev).long()
-    valid = torch.arange(K, device=dev)[None, :] < num_draft[:, None]
+    valid = torch.arange(K, device=dev)[None, :] < num_proposed[:, None]
     # Padding may hold any id (e.g. -1); point it at token 0 so gathers stay in range.
     safe_tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
 
@@ -71,7 +71,7 @@ def speculative_verify(
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
 
     p_next = p[rows, num_accepted].float()  # [B, V]: correction position or bonus position
-    rejected = num_accepted < num_draft
+    rejected = num_accepted < num_proposed
     if K > 0:
         q_next = q[rows, num_accepted.clamp(max=K - 1)].float()
         residual = (p_next - q_next).clamp_min(0)

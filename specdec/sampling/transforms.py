@@ -31,7 +31,7 @@ class BatchSamplingParams:
     repetition_penalty: torch.Tensor  # [N] float32; 1.0 = disabled
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device="cpu") -> "BatchSamplingParams":
+    def from_params(cls, params: list[SamplingParams], device="cpu") -> BatchSamplingParams:
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
@@ -41,7 +41,7 @@ class BatchSamplingParams:
             ),
         )
 
-    def repeat_interleave(self, counts: torch.Tensor | list[int]) -> "BatchSamplingParams":
+    def repeat_interleave(self, counts: torch.Tensor | list[int]) -> BatchSamplingParams:
         """Row i repeated counts[i] times (a sequence verified at several positions)."""
         counts = torch.as_tensor(counts, dtype=torch.int64, device=self.temperature.device)
         return BatchSamplingParams(
@@ -70,9 +70,9 @@ def presence_mask(token_lists: list[list[int]], vocab_size: int, device="cpu") -
 
 
 def presence_for_positions(
-    base: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+    base: torch.Tensor, draft_tokens: torch.Tensor, num_proposed: torch.Tensor
 ) -> torch.Tensor:
-    """[B, K+1, V] bool: position i sees `base` plus draft tokens 0..i-1 (only those < num_draft).
+    """[B, K+1, V] bool: position i sees `base` plus draft tokens 0..i-1 (only those < num_proposed).
 
     The draft penalised token i using the tokens it had proposed before it, so the target must
     use exactly the same set at that position; otherwise p and q would be different functions
@@ -86,7 +86,7 @@ def presence_for_positions(
     j = torch.arange(K, device=dev)  # index of the draft token
     i = torch.arange(K + 1, device=dev)  # position that sees it
     # triple (b, i, j) is set when token j is a real draft token and precedes position i.
-    valid = (j[None, None, :] < i[None, :, None]) & (j[None, None, :] < num_draft.to(dev)[:, None, None])
+    valid = (j[None, None, :] < i[None, :, None]) & (j[None, None, :] < num_proposed.to(dev)[:, None, None])
     b_idx, i_idx, j_idx = valid.nonzero(as_tuple=True)
     out[b_idx, i_idx, draft_tokens[b_idx, j_idx]] = True
     return out

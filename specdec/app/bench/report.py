@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specdec.bench.runners import RunResult
-from specdec.bench.theory import expected_tokens_per_round, theoretical_speedup
+from specdec.app.bench.runners import RunResult
+from specdec.app.bench.theory import expected_tokens_per_round, theoretical_speedup
 
 # (name, what is measured, threshold)
 TARGETS = [
@@ -204,7 +204,8 @@ def write_plot(path: Path, results: list[RunResult], sweep: list[RunResult], tit
             rows = sorted((r for r in sweep if r.system == system and r.skipped is None), key=lambda r: r.k)
             if not rows:
                 continue
-            line, = ax.plot([r.k for r in rows], [r.vs_engine_plain for r in rows], "o-", label=f"{rows[0].label} measured")
+            line, = ax.plot([r.k for r in rows], [r.vs_engine_plain for r in rows], "o-",
+                            label=f"{rows[0].label} measured")
             theory = [(r.k, r.theoretical_speedup) for r in rows if r.theoretical_speedup is not None]
             if theory:
                 ax.plot(*zip(*theory), "x--", color=line.get_color(), label=f"{rows[0].label} theory")

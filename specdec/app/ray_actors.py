@@ -1,7 +1,8 @@
 """Ray actors for the service: Ray places and supervises the processes, gRPC carries the rounds.
 
-- `TargetWorkerActor` / `DraftWorkerActor` load their model inside the actor process and serve it
-  with target_worker.grpc_server / draft_worker.grpc_server on `host:port`. The default host is
+- `TargetWorkerActor` / `DraftWorkerActor` build their worker from its role config (specdec.config)
+  inside the actor process and serve it with target_worker.grpc_server / draft_worker.grpc_server
+  on `host:port`. The default host is
   127.0.0.1: workers are internal and never listen on a public address unless asked to. In a
   cluster pass the node's address (`host="node-ip"` resolves to the Ray node IP).
 - `CoordinatorActor` connects GrpcTargetClient / GrpcDraftClient to those addresses and runs the
@@ -11,7 +12,7 @@
 Per-round traffic never goes through Ray actor calls (~4 ms each here, see DESIGN.md): the only
 actor calls are start-up (`ready`, `address`) and shutdown (`drain_and_stop`, `stop`).
 
-`launch(...)` starts all three and returns a `Deployment`; `specdec serve` and the tests use it.
+`launch(config)` starts all three and returns a `Deployment`; `specdec serve` and the tests use it.
 Actors are named (`<prefix>-target`, `<prefix>-draft`, `<prefix>-coordinator`) in the `specdec`
 namespace and are restarted by Ray if their process dies (`max_restarts`; `max_task_retries=0`,
 since a replayed start-up or shutdown call is never wanted). Worker ports are chosen before the
@@ -26,8 +27,8 @@ Placement (see k8s/README.md, "What the actor code must match"):
   `specdec_coordinator` (only the KubeRay head has it), else it is pinned to the caller's node;
   the workers ask for `specdec_target` / `specdec_draft` (one per worker pod).
 - Workers that bind a non-loopback address (`node-ip`) use fixed ports, as the NetworkPolicy
-  opens only those: $SPECDEC_TARGET_WORKER_PORT (default 50061) and $SPECDEC_DRAFT_WORKER_PORT
-  (default 50062). On loopback a free port is picked.
+  opens only those: the settings target_worker_port and draft_worker_port (env
+  SPECDEC_TARGET_WORKER_PORT / SPECDEC_DRAFT_WORKER_PORT). On loopback a free port is picked.
 """
 from __future__ import annotations
 
@@ -36,21 +37,18 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import ray
+
+from specdec.config import DraftConfig, ServiceConfig, TargetConfig, host_port
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "specdec"
-DEFAULT_MAX_RESTARTS = 3
 COORDINATOR_RESOURCE = "specdec_coordinator"
 TARGET_RESOURCE = "specdec_target"
 DRAFT_RESOURCE = "specdec_draft"
-TARGET_PORT_ENV, DEFAULT_TARGET_PORT = "SPECDEC_TARGET_WORKER_PORT", 50061
-DRAFT_PORT_ENV, DEFAULT_DRAFT_PORT = "SPECDEC_DRAFT_WORKER_PORT", 50062
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def resolve_host(host: str) -> str:
@@ -64,13 +62,7 @@ def advertised(host: str, port: int) -> str:
     """The host:port other processes should dial for a server bound on host:port."""
     if host in ("0.0.0.0", "::", "[::]", ""):
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-def bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return host_port(host, port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,20 +73,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def worker_port(env_name: str, default: int, host: str) -> int:
-    """The port a worker binds: a free one on loopback, else $env_name or the fixed default."""
-    if host in LOOPBACK_HOSTS:
-        return free_port(host)
-    value = os.environ.get(env_name, "").strip()
-    if not value:
-        return default
-    try:
-        port = int(value)
-    except ValueError:
-        raise ValueError(f"{env_name}={value!r} is not a port number") from None
-    if not 0 <= port < 65536:
-        raise ValueError(f"{env_name}={value!r} is not a port number")
-    return port
+def worker_port(host: str, fixed_port: int) -> int:
+    """The port a worker binds: a free one on loopback, else the fixed one the NetworkPolicy opens."""
+    return free_port(host) if host in LOOPBACK_HOSTS else fixed_port
 
 
 def specdec_resources() -> dict:
@@ -129,19 +110,13 @@ def wait_for_resources(names: list[str], timeout_s: float, on_wait=None, poll_s:
             time.sleep(poll_s)
 
 
-def _set_threads(num_threads: int | None) -> None:
-    if num_threads:
-        import torch
-        torch.set_num_threads(num_threads)
-
-
 class _WorkerActorBase:
     kind = ""
 
     def _serve(self, serve, worker, host: str, port: int) -> None:
         host = resolve_host(host)
         self.worker = worker
-        self.server, self.port = serve(worker, bind_address(host, port))
+        self.server, self.port = serve(worker, host_port(host, port))
         self._address = advertised(host, self.port)
         log.info("%s worker actor serving on %s", self.kind, self._address)
 
@@ -161,68 +136,54 @@ class _WorkerActorBase:
         self.server.stop(grace_s).wait()
 
 
-@ray.remote(max_restarts=DEFAULT_MAX_RESTARTS, max_task_retries=0)
+@ray.remote(max_task_retries=0)
 class TargetWorkerActor(_WorkerActorBase):
     kind = "target"
 
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", host: str = "127.0.0.1",
-                 port: int = 0, kv_cache_blocks: int | None = None, kv_block_size: int = 16,
-                 num_threads: int | None = None):
-        _set_threads(num_threads)
-        from specdec.model.llama import LlamaModel
+    def __init__(self, config: TargetConfig, host: str, port: int):
         from target_worker import grpc_server
         from target_worker.worker import TargetWorker
 
-        model = LlamaModel.load(model_dir, device, dtype)
-        worker = TargetWorker(model, kv_cache_blocks, kv_block_size, model_name=str(model_dir))
-        self._serve(grpc_server.serve, worker, host, port)
+        self._serve(grpc_server.serve, TargetWorker.from_config(config), host, port)
 
 
-@ray.remote(max_restarts=DEFAULT_MAX_RESTARTS, max_task_retries=0)
+@ray.remote(max_task_retries=0)
 class DraftWorkerActor(_WorkerActorBase):
     kind = "draft"
 
-    def __init__(self, draft: str, device: str = "cpu", dtype: str = "float32", host: str = "127.0.0.1",
-                 port: int = 0, kv_cache_blocks: int | None = None, kv_block_size: int = 16,
-                 num_threads: int | None = None):
-        _set_threads(num_threads)
+    def __init__(self, config: DraftConfig, host: str, port: int):
         from draft_worker import grpc_server
-        from draft_worker.worker import DraftWorker, build_drafter
+        from draft_worker.worker import DraftWorker
 
-        drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size)
-        self._serve(grpc_server.serve, DraftWorker(drafter), host, port)
+        self._serve(grpc_server.serve, DraftWorker.from_config(config), host, port)
 
 
-@ray.remote(max_restarts=DEFAULT_MAX_RESTARTS, max_task_retries=0, max_concurrency=4)
+@ray.remote(max_task_retries=0, max_concurrency=4)
 class CoordinatorActor:
     """Runs the public Generation server (grpc.aio, on its own thread and event loop) in the actor.
 
     Threaded (max_concurrency 4) so metrics_snapshot() answers while drain_and_stop() waits."""
 
-    def __init__(self, target_address: str, draft_address: str | None, tokenizer_dir: str,
-                 num_speculative_tokens: int = 5, host: str = "0.0.0.0", port: int = 50051,
-                 deployment: str = "specdec", server_options: dict | None = None, max_batch_size: int = 32,
-                 worker_actor_names: dict | None = None, namespace: str = NAMESPACE):
-        from coordinator.embedded import build_grpc_scheduler
-        from coordinator.metrics import make_round_callback
-        from coordinator.server import GenerationServer, ServerThread
+    def __init__(self, config: ServiceConfig, target_address: str, draft_address: str | None,
+                 worker_actor_names: dict[str, str | None], namespace: str = NAMESPACE):
+        from coordinator.metrics import RoundMetrics
+        from coordinator.server import GenerationServer
+        from coordinator.server_thread import ServerThread
+        from specdec.app.embedded import GrpcSchedulerFactory
 
-        self.metrics = make_round_callback(deployment)
-        factory = build_grpc_scheduler(draft_address, target_address, tokenizer_dir, num_speculative_tokens,
-                                       max_batch_size=max_batch_size)
-        server = GenerationServer(factory, factory.tokenizer, address=bind_address(host, port),
-                                  on_round=self.metrics, **(server_options or {}))
-        self.handle = ServerThread(server)
+        factory = GrpcSchedulerFactory(config, target_address, draft_address)
+        self.metrics = RoundMetrics(config.ray.name, wire=factory.wire)
+        self.handle = ServerThread(GenerationServer(factory, factory.tokenizer, config.server, self.metrics))
         try:
             self.port = self.handle.start(wait_ready=True)  # raises if the workers cannot be reached
         except BaseException:
             self.handle.stop(0)
             raise
-        self._address = advertised(host, self.port)
+        self._address = advertised(config.server.host, self.port)
         # After a worker failure the clients ask its actor where it serves now (Ray may restart it
         # on another node); never on the round path.
         for role, client in (("target", factory.target_client), ("draft", factory.draft_client)):
-            name = (worker_actor_names or {}).get(role)
+            name = worker_actor_names.get(role)
             if client is not None and name:
                 client.resolve_address = _address_resolver(name, namespace)
 
@@ -236,8 +197,9 @@ class CoordinatorActor:
     def metrics_snapshot(self) -> dict:
         return self.metrics.snapshot()
 
-    def drain_and_stop(self, grace_s: float = 30.0) -> dict:
-        """Stop accepting requests, let in-flight ones finish (up to grace_s), stop the server."""
+    def drain_and_stop(self, grace_s: float | None = None) -> dict:
+        """Stop accepting requests, let in-flight ones finish (up to grace_s; default: the
+        config's grace_period), stop the server."""
         self.handle.stop(grace_s)
         self.metrics.close()
         return self.metrics.snapshot()
@@ -254,9 +216,9 @@ def _address_resolver(actor_name: str, namespace: str, timeout_s: float = 1.0):
 class Deployment:
     """Handles to a running deployment (what `launch` returns)."""
 
-    coordinator: "ray.actor.ActorHandle"
-    target: "ray.actor.ActorHandle"
-    draft: "ray.actor.ActorHandle | None"
+    coordinator: ray.actor.ActorHandle
+    target: ray.actor.ActorHandle
+    draft: ray.actor.ActorHandle | None
     address: str  # the public address clients dial
     port: int
     target_address: str
@@ -267,7 +229,7 @@ class Deployment:
     def actors(self) -> list:
         return [a for a in (self.coordinator, self.draft, self.target) if a is not None]
 
-    def drain_and_stop(self, grace_s: float = 30.0, timeout_s: float | None = None) -> dict | None:
+    def drain_and_stop(self, grace_s: float, timeout_s: float | None = None) -> dict | None:
         """Drain the public server, stop the workers' gRPC servers, then kill all actors."""
         snapshot = None
         try:
@@ -311,65 +273,48 @@ def _coordinator_placement(cluster: dict) -> dict:
         node_id=ray.get_runtime_context().get_node_id(), soft=False)}
 
 
-def launch(target: str, draft: str | None = None, *, num_speculative_tokens: int = 5,
-           host: str = "0.0.0.0", port: int = 50051, device: str = "cpu", dtype: str = "float32",
-           worker_host: str = "127.0.0.1", target_port: int | None = None, draft_port: int | None = None,
-           name_prefix: str = "specdec", namespace: str = NAMESPACE, server_options: dict | None = None,
-           kv_cache_blocks: int | None = None, kv_block_size: int = 16, target_gpus: float | None = None,
-           draft_gpus: float | None = None, worker_cpus: float = 1, target_threads: int | None = None,
-           draft_threads: int | None = None, max_batch_size: int = 32, max_restarts: int = DEFAULT_MAX_RESTARTS,
+def launch(config: ServiceConfig, *, target_gpus: float | None = None, draft_gpus: float | None = None,
            pin_coordinator: bool = True, timeout_s: float = 600.0) -> Deployment:
     """Start target (+ draft) worker actors and the coordinator actor; wait until all are ready.
 
-    `draft`: a checkpoint directory, "ngram", or None (target only). The coordinator (the public
-    port) is pinned to the caller's node unless pin_coordinator is False, so `specdec serve` on the
-    head node opens the public port there (with `specdec_coordinator` in the cluster, on the node
-    that has it). Worker ports left as None are picked here when the workers bind loopback, else
-    they are $SPECDEC_TARGET_WORKER_PORT / $SPECDEC_DRAFT_WORKER_PORT (50061 / 50062); either way
-    a restarted worker comes back on the same port. Custom resources `specdec_target` /
-    `specdec_draft` are requested when the cluster has them.
+    The coordinator (the public port) is pinned to the caller's node unless pin_coordinator is
+    False, so `specdec serve` on the head node opens the public port there (with
+    `specdec_coordinator` in the cluster, on the node that has it). Workers bound to loopback get
+    free ports, else config.ray's fixed worker ports; either way a restarted worker comes back
+    on the same port. Custom resources `specdec_target` / `specdec_draft` are requested when the
+    cluster has them; `*_gpus` None means one GPU per worker on CUDA.
     Raises RuntimeError with the failing actor's error if start-up fails (all actors are killed).
     """
     t0 = time.perf_counter()
-    if target_port is None:
-        target_port = worker_port(TARGET_PORT_ENV, DEFAULT_TARGET_PORT, worker_host)
-    if draft_port is None:
-        draft_port = worker_port(DRAFT_PORT_ENV, DEFAULT_DRAFT_PORT, worker_host) if draft else 0
+    ray_config, name = config.ray, config.ray.name
+    worker_host = ray_config.worker_host or "127.0.0.1"
     cluster = ray.cluster_resources()
-    common = dict(namespace=namespace, max_restarts=max_restarts, max_task_retries=0, lifetime="non_detached")
-    worker_args = dict(device=device, dtype=dtype, host=worker_host, kv_cache_blocks=kv_cache_blocks,
-                       kv_block_size=kv_block_size)
+    common = dict(namespace=NAMESPACE, max_restarts=ray_config.max_restarts, max_task_retries=0,
+                  lifetime="non_detached")
     started = []
     try:
         target_actor = TargetWorkerActor.options(
-            name=f"{name_prefix}-target", **common,
-            **_resources(device, target_gpus, worker_cpus, TARGET_RESOURCE, cluster),
-        ).remote(str(target), port=target_port, num_threads=target_threads, **worker_args)
+            name=f"{name}-target", **common,
+            **_resources(config.target.device, target_gpus, ray_config.worker_cpus, TARGET_RESOURCE, cluster),
+        ).remote(config.target, worker_host, worker_port(worker_host, ray_config.target_worker_port))
         started.append(target_actor)
         draft_actor = None
-        if draft:
-            draft_device = "cpu" if draft == "ngram" else device
+        if config.draft.kind != "none":
             draft_actor = DraftWorkerActor.options(
-                name=f"{name_prefix}-draft", **common,
-                **_resources(draft_device, draft_gpus, worker_cpus, DRAFT_RESOURCE, cluster),
-            ).remote(str(draft), port=draft_port, num_threads=draft_threads, **{**worker_args, "device": draft_device})
+                name=f"{name}-draft", **common,
+                **_resources(config.draft.device if config.draft.kind == "model" else "cpu", draft_gpus,
+                             ray_config.worker_cpus, DRAFT_RESOURCE, cluster),
+            ).remote(config.draft, worker_host, worker_port(worker_host, ray_config.draft_worker_port))
             started.append(draft_actor)
         # Both load their models concurrently; a constructor error surfaces here.
         infos = ray.get([a.ready.remote() for a in started], timeout=timeout_s)
         target_info = infos[0]
         draft_info = infos[1] if draft_actor is not None else None
-        if draft_info is not None:
-            dv, tv = draft_info["info"].get("vocab_size"), target_info["info"]["vocab_size"]
-            if dv is not None and dv != tv:
-                raise ValueError(f"draft vocabulary ({dv}) differs from the target's ({tv}): "
-                                 "they must share a tokenizer")
         placement = _coordinator_placement(cluster) if pin_coordinator else {}
-        worker_names = {"target": f"{name_prefix}-target", "draft": f"{name_prefix}-draft" if draft else None}
+        worker_names = {"target": f"{name}-target", "draft": f"{name}-draft" if draft_actor else None}
         coordinator = CoordinatorActor.options(
-            name=f"{name_prefix}-coordinator", num_cpus=0, **common, **placement,
-        ).remote(target_info["address"], draft_info["address"] if draft_info else None, str(target),
-                 num_speculative_tokens, host, port, name_prefix, server_options, max_batch_size,
-                 worker_names, namespace)
+            name=f"{name}-coordinator", num_cpus=0, **common, **placement,
+        ).remote(config, target_info["address"], draft_info["address"] if draft_info else None, worker_names)
         started.append(coordinator)
         coord_info = ray.get(coordinator.ready.remote(), timeout=timeout_s)
     except BaseException as e:

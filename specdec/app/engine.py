@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from coordinator.clients import LocalDraftClient, LocalTargetClient
 from coordinator.request import Request, RequestStats
-from coordinator.scheduler import Scheduler
-from draft_worker.worker import DraftWorker, build_drafter
-from specdec.model.llama import LlamaModel
+from coordinator.scheduler_thread import OnRound
+from specdec.app.embedded import LocalSchedulerFactory
+from specdec.config import ServiceConfig
 from specdec.params import SamplingParams
-from specdec.tokenizer import load_tokenizer
-from target_worker.worker import TargetWorker
+from specdec.tokenizer import encode_prompt
 
 
 @dataclass
@@ -25,7 +23,7 @@ class GenerationStats:
     accepted_tokens: int
 
     @staticmethod
-    def from_request(stats: RequestStats) -> "GenerationStats":
+    def from_request(stats: RequestStats) -> GenerationStats:
         return GenerationStats(stats.acceptance_rate, stats.mean_accepted_length, stats.target_forward_passes,
                                stats.draft_forward_passes, stats.proposed, stats.accepted)
 
@@ -38,45 +36,35 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-def build_local_workers(target: str, draft: str | None = None, device: str = "cpu", dtype: str = "float32",
-                        kv_cache_blocks: int | None = None, kv_block_size: int = 16
-                        ) -> tuple[TargetWorker, DraftWorker | None]:
-    """In-process target and (optional) draft workers: shared by LocalEngine and the embedded server.
-
-    `draft` is None (no speculation), "ngram" or a checkpoint directory sharing the target's tokenizer.
-    """
-    target_model = LlamaModel.load(target, device, dtype)
-    target_worker = TargetWorker(target_model, kv_cache_blocks, kv_block_size, model_name=str(target))
-    if draft is None:
-        return target_worker, None
-    drafter = build_drafter(draft, device, dtype, num_blocks=kv_cache_blocks, block_size=kv_block_size)
-    if draft != "ngram" and drafter.info().vocab_size != target_model.config.vocab_size:
-        raise ValueError(f"draft vocabulary ({drafter.info().vocab_size}) differs from the target's "
-                         f"({target_model.config.vocab_size}): they must share a tokenizer")
-    return target_worker, DraftWorker(drafter)
-
-
 class LocalEngine:
-    def __init__(self, target: str, draft: str | None = None, num_speculative_tokens: int = 5,
-                 device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32,
-                 kv_cache_blocks: int | None = None, kv_block_size: int = 16):
-        self.tokenizer = load_tokenizer(target)
-        self.target_worker, self.draft_worker = build_local_workers(target, draft, device, dtype,
-                                                                    kv_cache_blocks, kv_block_size)
-        self.scheduler = Scheduler(
-            LocalTargetClient(self.target_worker),
-            LocalDraftClient(self.draft_worker) if self.draft_worker else None,
-            self.tokenizer, num_speculative_tokens, max_batch_size)
+    """`LocalEngine(target, draft=None, **settings)` or `LocalEngine(config=ServiceConfig(...))`.
+
+    `target`: a checkpoint directory (default: the shipped target); `draft`: None (no
+    speculation), "ngram" or a checkpoint directory sharing the target's tokenizer; `settings`:
+    any flat setting of specdec.config (num_speculative_tokens, max_batch_size, device, dtype,
+    kv_cache_blocks, ...). `on_round(report)` is called with every RoundReport.
+    """
+
+    def __init__(self, target: str | None = None, draft: str | None = None, *,
+                 config: ServiceConfig | None = None, on_round: OnRound | None = None, **settings):
+        if config is None:
+            config = ServiceConfig.from_settings(draft=draft, **({"target": str(target)} if target else {}),
+                                                 **settings)
+        elif target is not None or draft is not None or settings:
+            raise TypeError("give either config or target/draft/settings, not both")
+        self.config = config
+        factory = LocalSchedulerFactory(config)
+        self.scheduler = factory()
+        self.tokenizer = factory.tokenizer
+        self.target_worker, self.draft_worker = factory.target_worker, factory.draft_worker
+        self.on_round = on_round
         self._ids = itertools.count()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+        return encode_prompt(self.tokenizer, prompt)
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  num_speculative_tokens: int | None = None, progress: bool = False) -> list[GenerationOutput]:
         """Generate for every prompt (batched internally); outputs come back in prompt order."""
         if isinstance(prompts, str):
@@ -101,7 +89,7 @@ class LocalEngine:
             bar = tqdm(total=sum(sp.max_new_tokens for sp in per_prompt), unit="tok", desc="generate")
         try:
             while len(done) < len(requests):
-                for update in self.scheduler.step():
+                for update in self._step().updates:
                     if update.req_id not in tokens:
                         continue
                     tokens[update.req_id].extend(update.token_ids)
@@ -122,5 +110,11 @@ class LocalEngine:
         finally:
             if bar is not None:
                 bar.close()
-        self.scheduler.step()  # flush releases so the caches are empty between calls
+        self._step()  # flush releases so the caches are empty between calls
         return [done[r.req_id] for r in requests]
+
+    def _step(self):
+        report = self.scheduler.step()
+        if self.on_round is not None:
+            self.on_round(report)
+        return report

@@ -29,7 +29,7 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise SystemExit(f"error: --token-ids must be integers separated by commas or spaces, got {text!r}")
+        raise SystemExit(f"error: --token-ids must be integers separated by commas or spaces, got {text!r}") from None
 
 
 def format_stats(finish_reason: str, stats) -> str:

@@ -1,8 +1,8 @@
 """`specdec` command line: serve, generate, bench.
 
-Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
-modules are imported only when their subcommand runs, so `specdec generate` never imports Ray
-or torch model code.
+Each subcommand lives in its own module of specdec.app exposing `add_arguments(parser)` and
+`run(args) -> int`; a module is imported only when its subcommand runs, so `specdec generate`
+never imports Ray.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("coordinator.serve_command", "start the service (Ray + gRPC); no arguments = embedded default"),
-    "generate": ("specdec.client_command", "stream a completion from a running server to the terminal"),
-    "bench": ("specdec.bench.command", "benchmark speculative vs plain decoding and Hugging Face"),
-    "loadtest": ("specdec.loadtest", "bounded concurrent-stream load test: latency, throughput, no loss, KV freed"),
+    "serve": ("specdec.app.serve", "start the service (Ray + gRPC); no arguments = embedded default"),
+    "generate": ("specdec.app.generate", "stream a completion from a running server to the terminal"),
+    "bench": ("specdec.app.bench.command", "benchmark speculative vs plain decoding and Hugging Face"),
+    "loadtest": ("specdec.app.loadtest", "bounded concurrent-stream load test: latency, throughput, no loss, KV freed"),
 }
 
 

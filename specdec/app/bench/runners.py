@@ -11,11 +11,13 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
+
+from specdec.tokenizer import encode_prompt
 
 SYSTEMS = {
     # key: (label, needs a draft model, batch-1 only)
@@ -98,10 +100,7 @@ def load_prompts(path: str | Path, n: int, tokenizer=None) -> tuple[list[list[in
         if "prompt_ids" in entry:
             ids.append([int(t) for t in entry["prompt_ids"]])
         elif "prompt" in entry:
-            if tokenizer is None:
-                raise ValueError("the prompts are text but the target checkpoint has no tokenizer: "
-                                 "give a prompts file with \"prompt_ids\" instead")
-            ids.append(list(tokenizer(entry["prompt"])["input_ids"]))
+            ids.append(encode_prompt(tokenizer, entry["prompt"]))
         else:
             raise ValueError(f"{path}: every line needs \"prompt\" or \"prompt_ids\"")
         names.append(str(entry.get("source", f"prompt {i}")))
@@ -115,26 +114,8 @@ def chunks(items: Sequence, size: int) -> list[Sequence]:
 
 
 # -- specdec --------------------------------------------------------------------------------------
-class _TimedDraft:
-    """Wraps the scheduler's draft client: seconds spent in the draft worker."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.seconds = 0.0
-
-    def info(self):
-        return self.inner.info()
-
-    def propose(self, tasks, finished):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.propose(tasks, finished)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-
-class _TimedTarget:
-    """Wraps the scheduler's target client: seconds in the target worker, and per-token acceptance.
+class _RoundTally:
+    """Adds up the RoundReports of a run: seconds in each worker and per-token acceptance.
 
     A round that proposes k tokens and keeps a tests a + 1 of them when a < k (the first rejected
     one ends the round), a when a == k. accepted / tested is the per-token acceptance probability
@@ -142,36 +123,19 @@ class _TimedTarget:
     the tokens after a rejection that were never tested, so it is lower.
     """
 
-    def __init__(self, inner):
-        self.inner = inner
-        self.reset()
+    def __init__(self):
+        self.draft_seconds = self.verify_seconds = 0.0
+        self.tested = self.accepted = self.rounds_without_draft = 0
 
-    def reset(self) -> None:
-        self.seconds = 0.0
-        self.tested = 0
-        self.accepted = 0
-        self.rounds_with_draft = 0
-        self.rounds_without_draft = 0
-
-    def info(self):
-        return self.inner.info()
-
-    def verify(self, tasks, finished):
-        t0 = time.perf_counter()
-        try:
-            result = self.inner.verify(tasks, finished)
-        finally:
-            self.seconds += time.perf_counter() - t0
-        proposed = {t.req_id: len(t.draft_tokens) for t in tasks}
-        for outcome in result.outcomes:
-            k = proposed.get(outcome.req_id, 0)
-            if k == 0:
-                self.rounds_without_draft += 1
+    def __call__(self, report) -> None:
+        self.draft_seconds += report.draft_seconds
+        self.verify_seconds += report.verify_seconds
+        for update in report.updates:
+            if update.proposed == 0:
+                self.rounds_without_draft += int(report.ran)
                 continue
-            self.rounds_with_draft += 1
-            self.accepted += outcome.num_accepted
-            self.tested += outcome.num_accepted + (1 if outcome.num_accepted < k else 0)
-        return result
+            self.accepted += update.accepted
+            self.tested += update.accepted + (1 if update.accepted < update.proposed else 0)
 
 
 class EngineSystem:
@@ -179,30 +143,22 @@ class EngineSystem:
 
     def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
                  max_batch_size: int):
-        from specdec import LocalEngine
+        from specdec.app.engine import LocalEngine
 
         self.key = key
         self.label = SYSTEMS[key][0]
         self.k = k if draft is not None else None
         self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
                                   kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size)
-        scheduler = self.engine.scheduler
-        self._draft = _TimedDraft(scheduler.draft) if scheduler.draft is not None else None
-        self._target = _TimedTarget(scheduler.target)
-        if self._draft is not None:
-            scheduler.draft = self._draft
-        scheduler.target = self._target
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
             k: int | None = None, bar=None) -> RunResult:
-        from specdec import SamplingParams
+        from specdec.params import SamplingParams
 
         k = self.k if k is None else k
         result = RunResult(system=self.key, label=self.label, batch=batch, mode=mode.name, k=k,
                            prompts=len(prompts))
-        if self._draft is not None:
-            self._draft.seconds = 0.0
-        self._target.reset()
+        tally = self.engine.on_round = _RoundTally()
         proposed = accepted = rounds = draft_passes = generated = 0
         gc.collect()
         start = time.perf_counter()
@@ -221,6 +177,7 @@ class EngineSystem:
             if bar is not None:
                 bar.update(sum(len(o.token_ids) for o in outputs))
         result.seconds = time.perf_counter() - start
+        self.engine.on_round = None
         result.tokens = generated
         result.tokens_per_s = generated / result.seconds if result.seconds > 0 else None
         result.target_forward_passes = rounds
@@ -228,10 +185,10 @@ class EngineSystem:
         if self.k is not None:
             result.proposed, result.accepted, result.draft_forward_passes = proposed, accepted, draft_passes
             result.acceptance_rate = accepted / proposed if proposed else None
-            result.alpha = self._target.accepted / self._target.tested if self._target.tested else None
-            result.rounds_without_draft = self._target.rounds_without_draft
-        result.draft_seconds = self._draft.seconds if self._draft is not None else 0.0
-        result.verify_seconds = self._target.seconds
+            result.alpha = tally.accepted / tally.tested if tally.tested else None
+            result.rounds_without_draft = tally.rounds_without_draft
+        result.draft_seconds = tally.draft_seconds
+        result.verify_seconds = tally.verify_seconds
         result.other_seconds = result.seconds - result.draft_seconds - result.verify_seconds
         return result
 
@@ -388,11 +345,12 @@ def measure_step_costs(target: str, draft: str | None, contexts: list[list[int]]
     Also the cost of a (K+1)-token verify pass relative to a 1-token step, which the formula
     assumes to be 1.
     """
-    from specdec.model.llama import LlamaModel
+    from specdec.config import WorkerConfig
     from specdec.model.runner import ModelRunner
 
-    target_runner = ModelRunner(LlamaModel.load(target), kv_cache_blocks)
-    draft_runner = ModelRunner(LlamaModel.load(draft), kv_cache_blocks) if draft else None
+    config = WorkerConfig(kv_cache_blocks=kv_cache_blocks)
+    target_runner = ModelRunner.load(config, target)
+    draft_runner = ModelRunner.load(config, draft) if draft else None
     out: dict = {"steps_timed": steps, "by_batch": {}}
     for b in batch_sizes:
         ctx = [contexts[i % len(contexts)] for i in range(b)]

@@ -21,8 +21,11 @@ of the Rounds messages; gRPC framing adds 5 bytes per message).
 The exit status is 0 only if every check passed.
 
   specdec loadtest --address 127.0.0.1:50051
-  specdec loadtest --embedded --target models/target --draft models/draft --streams 64 --json out.json
-  specdec loadtest --embedded --grpc-workers --target models/target --draft models/draft --temperature 0.8
+  specdec loadtest --embedded --draft models/draft --streams 64 --json out.json
+  specdec loadtest --embedded --grpc-workers --draft models/draft --temperature 0.8
+
+The embedded server takes the service settings of `specdec serve` (--target, --draft, -k, ...;
+default target: the shipped model, default draft: none).
 
 Everything stays bounded: --streams calls at most, --timeout seconds at most (hard), and in
 embedded mode the server binds 127.0.0.1 on a free port and stops at the end.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -39,6 +43,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from specdec.app.flags import add_settings, given_settings
+from specdec.config import ConfigError, ServiceConfig
+
+# The settings of the embedded server this command can change (the rest keep their defaults).
+EMBEDDED_SETTINGS = ("target", "draft", "device", "dtype", "max_batch_size", "kv_cache_blocks", "kv_block_size")
 
 WORDS = ("the quick brown fox jumps over the lazy dog speculative decoding drafts tokens and the target "
          "verifies them hello world stream text back to client").split()
@@ -357,28 +367,21 @@ def run_load(address: str, cfg: LoadConfig) -> LoadReport:
 class WireRecorder:
     """The server's on_round hook: bytes on the wire of every round, per worker (gRPC clients)."""
 
-    def __init__(self):
-        from coordinator.metrics import WireBytes
+    def __init__(self, counters: dict):
+        from coordinator.metrics import WireDeltas
 
-        self._bytes = WireBytes()
-        self._last_rounds = 0  # scheduler.total_rounds starts at 0
+        self._deltas = WireDeltas(counters)
+        self._counters = counters
         self.rounds: list[dict] = []  # {"draft": sent+received, "target": ..., "sent", "received", "tokens"}
-        self.rpcs: dict[str, int] = {}  # Rounds messages per worker (client `rounds` counters)
 
-    def __call__(self, scheduler, updates, round_seconds=None) -> None:
-        total = getattr(scheduler, "total_rounds", None)
-        if total is not None and total == self._last_rounds:
+    def __call__(self, report) -> None:
+        if not report.ran:
             return  # no round ran (nothing due); its bytes, if any, count towards the next round
-        self._last_rounds = total
-        delta = self._bytes.delta(scheduler)
-        if delta is None:
-            return
-        row = {"tokens": sum(len(u.token_ids) for u in updates), "sent": 0, "received": 0}
-        for worker, (sent, received) in delta.items():
+        row = {"tokens": report.committed_tokens, "sent": 0, "received": 0}
+        for worker, (sent, received) in self._deltas.take().items():
             row[worker] = sent + received
             row["sent"] += sent
             row["received"] += received
-            self.rpcs[worker] = int(getattr(getattr(scheduler, worker), "rounds", 0))
         self.rounds.append(row)
 
     def summary(self) -> dict | None:
@@ -402,67 +405,59 @@ class WireRecorder:
             "draft_per_round": stats("draft"),
             "target_per_round": stats("target"),
             "bytes_per_token": total / tokens if tokens else None,
-            "rpcs_per_worker": dict(self.rpcs),
+            "rpcs_per_worker": {worker: counter.rounds for worker, counter in self._counters.items()},
         }
 
 
-def _kv_used(factory) -> tuple[int, int | None]:
-    target = factory.target_worker.cache.allocator.num_used
-    draft = None
-    worker = factory.draft_worker
-    runner = getattr(getattr(worker, "drafter", None), "runner", None) if worker is not None else None
-    if runner is not None:
-        draft = runner.cache.allocator.num_used
-    return target, draft
+def _caches(workers) -> dict:
+    """The KV caches to audit: the target's, and the draft model's if there is one."""
+    target_worker, draft_worker = workers
+    caches = {"target": target_worker.cache}
+    if draft_worker is not None and draft_worker.drafter.kv_cache is not None:
+        caches["draft"] = draft_worker.drafter.kv_cache
+    return caches
 
 
-def run_embedded(target: str, draft: str | None, cfg: LoadConfig, num_speculative_tokens: int = 5,
-                 device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64,
-                 kv_cache_blocks: int | None = None, kv_block_size: int = 16,
-                 settle_s: float = 10.0, grpc_workers: bool = False) -> LoadReport:
+def run_embedded(config: ServiceConfig, load: LoadConfig, grpc_workers: bool = False,
+                 settle_s: float = 10.0) -> LoadReport:
     """Start a server on 127.0.0.1:0 with in-process workers, run the load, then check that every
-    KV block is free and the engine holds no request. `draft`: None, "ngram" or a directory.
-    `grpc_workers`: serve the workers over loopback gRPC and report bytes on the wire per round."""
-    from coordinator.server import run_server_in_thread
+    KV block is free and the engine holds no request. `grpc_workers`: serve the workers over
+    loopback gRPC and report bytes on the wire per round."""
+    from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
+    from draft_worker.worker import DraftWorker
+    from specdec.app.embedded import GrpcSchedulerFactory, LocalSchedulerFactory
+    from target_worker.worker import TargetWorker
 
-    config = json.loads((Path(target) / "config.json").read_text())
-    if kv_cache_blocks is None:  # room for max_batch_size full-length sequences, so the batch is never short of blocks
-        kv_cache_blocks = max_batch_size * (-(-int(config["max_position_embeddings"]) // kv_block_size) + 1)
+    config = dataclasses.replace(config, server=dataclasses.replace(LOOPBACK_SERVER, grace_period=1.0))
     servers: list = []
     recorder = None
     if grpc_workers:
-        from coordinator.embedded import build_grpc_scheduler
-        from coordinator.engine import build_local_workers
         from draft_worker import grpc_server as draft_server
         from target_worker import grpc_server as target_server
 
-        target_worker, draft_worker = build_local_workers(target, draft, device, dtype, kv_cache_blocks,
-                                                          kv_block_size)
-        tserver, tport = target_server.serve(target_worker)
+        workers = (TargetWorker.from_config(config.target), DraftWorker.from_config(config.draft))
+        tserver, tport = target_server.serve(workers[0])
         servers.append(tserver)
         draft_address = None
-        if draft_worker is not None:
-            dserver, dport = draft_server.serve(draft_worker)
+        if workers[1] is not None:
+            dserver, dport = draft_server.serve(workers[1])
             servers.append(dserver)
             draft_address = f"127.0.0.1:{dport}"
-        factory = build_grpc_scheduler(draft_address, f"127.0.0.1:{tport}", target, num_speculative_tokens,
-                                       max_batch_size)
-        factory.target_worker, factory.draft_worker = target_worker, draft_worker  # for the KV audit
-        tokenizer = factory.tokenizer
-        recorder = WireRecorder()
+        factory = GrpcSchedulerFactory(config, f"127.0.0.1:{tport}", draft_address)
+        recorder = WireRecorder(factory.wire)
     else:
-        from coordinator.embedded import build_local_scheduler
-
-        factory, tokenizer = build_local_scheduler(target, draft, num_speculative_tokens, device, dtype,
-                                                   max_batch_size, kv_cache_blocks, kv_block_size)
-    if tokenizer is None and not cfg.vocab_size:
-        cfg.vocab_size = int(config["vocab_size"])
+        factory = LocalSchedulerFactory(config)
+    if factory.tokenizer is None and not load.vocab_size:
+        load.vocab_size = int(json.loads((Path(config.target.model) / "config.json").read_text())["vocab_size"])
     try:
-        report = _run_embedded_server(run_server_in_thread, factory, tokenizer, cfg, settle_s, recorder)
+        with run_server_in_thread(factory, factory.tokenizer, config.server, on_round=recorder) as handle:
+            if not grpc_workers:
+                workers = (factory.target_worker, factory.draft_worker)
+            report = run_load(f"127.0.0.1:{handle.port}", load)
+            _settle(handle, workers, report, settle_s)
+        _audit(workers, report)  # the scheduler thread has stopped: no race with it
     finally:
-        for client in (getattr(factory, "target_client", None), getattr(factory, "draft_client", None)):
-            if client is not None:
-                client.close()
+        factory.close()
         for server in servers:
             server.stop(None)
     if recorder is not None:
@@ -470,39 +465,35 @@ def run_embedded(target: str, draft: str | None, cfg: LoadConfig, num_speculativ
     return report
 
 
-def _run_embedded_server(run_server_in_thread, factory, tokenizer, cfg: LoadConfig, settle_s: float,
-                         on_round) -> LoadReport:
-    with run_server_in_thread(factory, tokenizer, address="127.0.0.1:0", grace_s=1.0, on_round=on_round) as handle:
-        report = run_load(f"127.0.0.1:{handle.port}", cfg)
-        engine = handle.server.engine
-        end = time.monotonic() + settle_s
-        while time.monotonic() < end:  # releases reach the workers on the engine's next pass
-            sched = engine.scheduler
-            idle = engine.num_active == 0 and not sched.running and not sched.waiting \
-                and handle.server.servicer.in_flight == 0
-            if idle and _kv_used(factory) in ((0, None), (0, 0)):
-                break
-            time.sleep(0.01)
-        target_used, draft_used = _kv_used(factory)
-        sched = engine.scheduler
-        if engine.num_active or sched.running or sched.waiting:
-            report.failures.append(f"the engine still holds requests after the run: {engine.num_active} streams, "
-                                   f"{len(sched.running)} running, {len(sched.waiting)} waiting")
-    # The engine thread has stopped: the caches can be audited without racing it.
-    for name, cache in (("target", factory.target_worker.cache),
-                        ("draft", getattr(getattr(factory.draft_worker, "drafter", None), "runner", None))):
-        cache = getattr(cache, "cache", cache)
-        if cache is not None:
-            try:
-                cache.check_accounting()
-            except Exception as e:  # noqa: BLE001 - reported as a failed check
-                report.failures.append(f"{name} KV-cache accounting: {e}")
-    report.kv_blocks_used_target, report.kv_blocks_used_draft = target_used, draft_used
-    if target_used:
-        report.failures.append(f"{target_used} target KV blocks still in use after every stream ended")
-    if draft_used:
-        report.failures.append(f"{draft_used} draft KV blocks still in use after every stream ended")
-    return report
+def _settle(handle, workers, report: LoadReport, settle_s: float) -> None:
+    """Wait for the releases to reach the workers (on the scheduler's next pass)."""
+    thread = handle.server.scheduler
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:
+        sched = thread.scheduler
+        idle = thread.num_active == 0 and not sched.running and not sched.waiting \
+            and handle.server.servicer.in_flight == 0
+        if idle and not any(c.allocator.num_used for c in _caches(workers).values()):
+            break
+        time.sleep(0.01)
+    sched = thread.scheduler
+    if thread.num_active or sched.running or sched.waiting:
+        report.failures.append(f"the engine still holds requests after the run: {thread.num_active} streams, "
+                               f"{len(sched.running)} running, {len(sched.waiting)} waiting")
+
+
+def _audit(workers, report: LoadReport) -> None:
+    caches = _caches(workers)
+    for name, cache in caches.items():
+        try:
+            cache.check_accounting()
+        except Exception as e:  # noqa: BLE001 - reported as a failed check
+            report.failures.append(f"{name} KV-cache accounting: {e}")
+        if cache.allocator.num_used:
+            report.failures.append(f"{cache.allocator.num_used} {name} KV blocks still in use after every "
+                                   "stream ended")
+    report.kv_blocks_used_target = caches["target"].allocator.num_used
+    report.kv_blocks_used_draft = caches["draft"].allocator.num_used if "draft" in caches else None
 
 
 # --- output --------------------------------------------------------------------------------
@@ -576,19 +567,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e = parser.add_argument_group("embedded server (checks the KV cache after the run)")
     e.add_argument("--embedded", action="store_true", help="start a server on 127.0.0.1:0 in this process")
-    e.add_argument("--target", default=None, help="target checkpoint directory (with --embedded)")
-    e.add_argument("--draft", default="none", help="draft directory, 'ngram' or 'none' (default %(default)s)")
-    e.add_argument("-k", "--server-k", type=int, default=5, help="the server's default K (default %(default)s)")
     e.add_argument("--grpc-workers", action="store_true",
                    help="serve the draft and target workers over loopback gRPC and report bytes on the wire per round")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--max-batch-size", type=int, default=64)
-    e.add_argument("--kv-cache-blocks", type=int, default=None)
-    e.add_argument("--kv-block-size", type=int, default=16)
+    e.add_argument("-k", "--server-k", dest="server_num_speculative_tokens", type=int, default=None,
+                   help="the server's num_speculative_tokens (default: the config's)")
+    add_settings(e, EMBEDDED_SETTINGS)
 
 
-def config_from_args(args) -> LoadConfig:
+def load_from_args(args) -> LoadConfig:
     return LoadConfig(streams=args.streams, max_new_tokens=args.max_new_tokens, cancel_fraction=args.cancel_fraction,
                       temperature=args.temperature, seed=args.seed, timeout=args.timeout,
                       num_speculative_tokens=args.num_speculative_tokens, vocab_size=args.vocab_size,
@@ -605,9 +591,7 @@ def _bad_args(args) -> str | None:
         return "--cancel-fraction must be in [0, 1]"
     if not args.timeout > 0:
         return "--timeout must be > 0"
-    if args.embedded and not args.target:
-        return "--embedded needs --target DIR"
-    if getattr(args, "grpc_workers", False) and not args.embedded:
+    if args.grpc_workers and not args.embedded:
         return "--grpc-workers needs --embedded"
     if args.verify_sample < 0:
         return "--verify-sample must be >= 0"
@@ -619,16 +603,16 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    cfg = config_from_args(args)
+    load = load_from_args(args)
     try:
         if args.embedded:
-            draft = None if args.draft.lower() == "none" else args.draft
-            report = run_embedded(args.target, draft, cfg, args.server_k, args.device, args.dtype,
-                                  args.max_batch_size, args.kv_cache_blocks, args.kv_block_size,
-                                  grpc_workers=getattr(args, "grpc_workers", False))
+            server_k = {} if args.server_num_speculative_tokens is None else {
+                "num_speculative_tokens": args.server_num_speculative_tokens}
+            config = ServiceConfig.from_settings(**given_settings(args, EMBEDDED_SETTINGS), **server_k)
+            report = run_embedded(config, load, grpc_workers=args.grpc_workers)
         else:
-            report = run_load(args.address, cfg)
-    except ConnectionError as e:
+            report = run_load(args.address, load)
+    except (ConnectionError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_report(report))

@@ -16,7 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from specdec.app.flags import add_settings, format_default, given_settings
+from specdec.config import NGRAM, REPO_ROOT, SHIPPED_DRAFT, ConfigError, ServiceConfig, WorkerConfig
+from specdec.kv_cache import blocks_for_tokens
+
 ALL_SYSTEMS = ["engine", "spec-draft", "spec-ngram", "hf", "hf-assisted"]
 DEFAULT_SWEEP = "1,2,3,4,6,8"
 
@@ -25,7 +28,7 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -35,7 +38,7 @@ def _float_list(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not values or any(not (v >= 0 and math.isfinite(v)) for v in values):
         raise argparse.ArgumentTypeError(f"temperatures must be finite and >= 0, got {text!r}")
     return values
@@ -51,14 +54,17 @@ def _systems(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
-    parser.add_argument("--target", default="models/target", help="target checkpoint dir (default: models/target)")
-    parser.add_argument("--draft", default="models/draft", help="draft checkpoint dir (default: models/draft)")
+    add_settings(parser, ["target"])
+    parser.add_argument("--draft", default=str(SHIPPED_DRAFT),
+                        help="draft checkpoint dir of the spec-draft system "
+                             f"(default: {format_default(str(SHIPPED_DRAFT))})")
     parser.add_argument("--prompts", default="models/heldout_prompts.jsonl",
                         help='JSONL, one {"prompt": text} or {"prompt_ids": [ids]} per line '
                              "(default: the held-out prompts)")
-    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per run, spread over the file (default 8)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per run, spread over the file (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per prompt (default 128)")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft length K (default 5)")
+    add_settings(parser, ["num_speculative_tokens"])
     parser.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default 1,8)")
     parser.add_argument("--temperatures", type=_float_list, default=[0.0, 0.8],
                         help="comma-separated; 0 = greedy (default 0,0.8)")
@@ -67,9 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
     parser.add_argument("--sweep-k", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="K1,K2,...",
-                        help=f"also sweep K for the speculative systems at batch 1 greedy (default list {DEFAULT_SWEEP})")
+                        help="also sweep K for the speculative systems at batch 1 greedy "
+                             f"(default list {DEFAULT_SWEEP})")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep-k: skip the main grid")
-    parser.add_argument("--cost-steps", type=int, default=None, help="timed passes per step-cost measurement (default 30)")
+    parser.add_argument("--cost-steps", type=int, default=None,
+                        help="timed passes per step-cost measurement (default 30)")
     parser.add_argument("--out", default="bench_out", help="output folder for bench.json and bench.png")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke run: 2 prompts, 16 new tokens, batch sizes 1,2")
@@ -79,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _resolve(path: str) -> str:
     """Relative paths are tried from the working directory, then from the repository."""
     p = Path(path)
-    if p.is_absolute() or p.exists() or path == "ngram":
+    if p.is_absolute() or p.exists() or path == NGRAM:
         return str(p)
-    alt = REPO / p
+    alt = REPO_ROOT / p
     return str(alt) if alt.exists() else str(p)
 
 
@@ -101,7 +109,7 @@ def _environment(args, param_counts: dict) -> dict:
     try:
         import subprocess
 
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+        commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=5).stdout.strip() or None
     except Exception:
         pass
@@ -114,17 +122,26 @@ def _environment(args, param_counts: dict) -> dict:
     }
 
 
-def _kv_blocks(prompts: list[list[int]], max_new: int, max_k: int, max_batch: int, block: int = 16) -> int:
-    per_seq = -(-(max(len(p) for p in prompts) + max_new + max_k + 2) // block) + 2
-    return max_batch * per_seq + 8
+def _kv_blocks(prompts: list[list[int]], max_new: int, max_k: int, max_batch: int) -> int:
+    """Room for a full batch of the longest prompt plus its output and draft tokens."""
+    tokens = max(len(p) for p in prompts) + max_new + max_k + 2
+    return max_batch * (blocks_for_tokens(tokens, WorkerConfig().kv_block_size) + 2) + 8
 
 
 def run(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from specdec.bench import report
-    from specdec.bench.runners import SYSTEMS, EngineSystem, HFSystem, Mode, load_hf, load_prompts, measure_step_costs
+    from specdec.app.bench import report
+    from specdec.app.bench.runners import (
+        SYSTEMS,
+        EngineSystem,
+        HFSystem,
+        Mode,
+        load_hf,
+        load_prompts,
+        measure_step_costs,
+    )
     from specdec.tokenizer import load_tokenizer
 
     quick = args.quick
@@ -132,7 +149,12 @@ def run(args) -> int:
     max_new = args.max_new_tokens or (16 if quick else 128)
     batch_sizes = args.batch_sizes or ([1, 2] if quick else [1, 8])
     cost_steps = args.cost_steps or (5 if quick else 30)
-    k = args.num_speculative_tokens
+    try:
+        config = ServiceConfig.from_settings(**given_settings(args, ["target", "num_speculative_tokens"]))
+    except ConfigError as e:
+        print(f"specdec bench: {e}", file=sys.stderr)
+        return 2
+    k = config.scheduler.num_speculative_tokens
     sweep_ks = _int_list(args.sweep_k) if args.sweep_k else []
     if args.sweep_only and not sweep_ks:
         print("specdec bench: --sweep-only needs --sweep-k", file=sys.stderr)
@@ -143,7 +165,7 @@ def run(args) -> int:
     modes = [Mode("greedy" if t == 0 else f"T={t:g}", t) for t in args.temperatures]
     systems = list(args.systems)
     torch.set_num_threads(args.threads)
-    target, draft, prompts_path = _resolve(args.target), _resolve(args.draft), _resolve(args.prompts)
+    target, draft, prompts_path = _resolve(config.target.model), _resolve(args.draft), _resolve(args.prompts)
     needs_draft = any(SYSTEMS[s][1] for s in systems)
     for what, path in [("target", target), ("prompts", prompts_path)] + ([("draft", draft)] if needs_draft else []):
         if not Path(path).exists():
@@ -152,7 +174,9 @@ def run(args) -> int:
             return 2
     out_dir = Path(args.out)
     show = not args.no_progress
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > 0.5 * (os.cpu_count() or 1):
@@ -173,7 +197,7 @@ def run(args) -> int:
         elif key == "spec-draft":
             built[key] = EngineSystem(key, target, draft, k, kv_blocks, max(batch_sizes))
         elif key == "spec-ngram":
-            built[key] = EngineSystem(key, target, "ngram", k, kv_blocks, max(batch_sizes))
+            built[key] = EngineSystem(key, target, NGRAM, k, kv_blocks, max(batch_sizes))
         else:
             hf_target = hf_target if hf_target is not None else load_hf(target)
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)
@@ -190,7 +214,7 @@ def run(args) -> int:
     costs = None
     if any(s in systems for s in ("spec-draft", "spec-ngram")):
         log("measuring draft/target step costs ...")
-        has_draft = Path(draft).exists() and draft != "ngram"
+        has_draft = Path(draft).exists() and draft != NGRAM
         costs = measure_step_costs(target, draft if has_draft else None, prompts, batch_sizes, k, cost_steps,
                                    kv_cache_blocks=kv_blocks)
 
@@ -240,8 +264,10 @@ def run(args) -> int:
     if results:
         print(f"tokens/s on {len(prompts)} held-out prompts x {max_new} new tokens (K={k}, {args.threads} threads, "
               f"{os.cpu_count()} CPUs); x plain / x HF / x HF-asst = tok/s ratio to specdec plain / HF generate / "
-              f"HF assisted at the same batch and mode; accept = accepted/proposed; alpha = accepted/tested (per-token, what the formula assumes); "
-              f"theory x = (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha; =plain: greedy outputs identical to specdec plain's")
+              f"HF assisted at the same batch and mode; accept = accepted/proposed; alpha = accepted/tested "
+              f"(per-token, what the formula assumes); "
+              f"theory x = (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha; "
+              f"=plain: greedy outputs identical to specdec plain's")
         print(report.format_table(results))
         print()
     if sweep:
@@ -281,7 +307,8 @@ def run(args) -> int:
     json_path, png_path = out_dir / "bench.json", out_dir / "bench.png"
     report.write_json(json_path, payload)
     title = (f"specdec bench: {len(prompts)} prompts x {max_new} tokens, K={k}, {args.threads} threads, "
-             f"target {params['target'] / 1e6:.1f}M" + (f", draft {params['draft'] / 1e6:.1f}M" if "draft" in params else ""))
+             f"target {params['target'] / 1e6:.1f}M"
+             + (f", draft {params['draft'] / 1e6:.1f}M" if "draft" in params else ""))
     report.write_plot(png_path, results, sweep, title)
     print(f"\nwrote {json_path} and {png_path}")
     return 0

@@ -1,0 +1,58 @@
+"""What one scheduler round did: the typed value `Scheduler.step()` returns.
+
+Streaming, metrics, the benchmark and logs all read this report; none of them looks inside the
+scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.request import RequestStats
+
+
+@dataclass
+class RequestUpdate:
+    """What one round did for one request; its client receives it as one message."""
+
+    req_id: str
+    token_ids: list[int]  # committed this round, after stop conditions
+    text: str
+    num_speculative_tokens: int = 0  # draft tokens asked for this round (K)
+    proposed: int = 0  # draft tokens the drafter offered (may be fewer than K)
+    accepted: int = 0  # of those, kept by the target
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "deadline" | "error"
+    stats: RequestStats | None = None  # set on the last update
+    error: str | None = None
+    error_kind: str | None = None  # "unavailable" | "internal" | "deadline" (maps to a gRPC code)
+
+    @staticmethod
+    def failure(req_id: str, error: str, kind: str, stats: RequestStats | None = None,
+                text: str = "") -> RequestUpdate:
+        """The last update of a request that did not finish normally (`kind` as error_kind)."""
+        return RequestUpdate(req_id=req_id, token_ids=[], text=text, finished=True,
+                             finish_reason="deadline" if kind == "deadline" else "error",
+                             stats=stats, error=error, error_kind=kind)
+
+
+@dataclass
+class RoundReport:
+    updates: list[RequestUpdate] = field(default_factory=list)
+    ran: bool = False  # a target pass ran; False when the step only expired or released requests
+    batch_size: int = 0  # requests in the round
+    draft_seconds: float = 0.0  # in the draft worker's call (compute + transport)
+    verify_seconds: float = 0.0  # in the target worker's call
+    total_seconds: float = 0.0  # the whole step
+    queue_depth: int = 0  # requests waiting for admission after the round
+    running: int = 0  # requests running after the round
+    kv_blocks_used: int = 0  # target KV blocks in use, as the target last reported
+    kv_blocks_total: int = 0
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Coordinator time: scheduling, stop conditions, detokenization."""
+        return max(self.total_seconds - self.draft_seconds - self.verify_seconds, 0.0)
+
+    @property
+    def committed_tokens(self) -> int:
+        return sum(len(u.token_ids) for u in self.updates)

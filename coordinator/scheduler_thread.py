@@ -1,0 +1,193 @@
+"""The Scheduler on one dedicated thread, fed by a thread-safe inbox.
+
+The scheduler is not thread-safe, so exactly one thread calls `step()`. Submissions and aborts
+reach it through a queue drained before each round; when there is no work the thread blocks on
+that queue instead of spinning. Each round's updates go to per-request sinks (asyncio queues of
+the servers' event loops) and the whole RoundReport to the `on_round` hook (metrics).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from coordinator.request import Request
+from coordinator.round_report import RequestUpdate, RoundReport
+from coordinator.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+OnRound = Callable[[RoundReport], None]
+
+
+@dataclass
+class Sink:
+    """Where one request's updates go: an asyncio queue on its server's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestUpdate | ValueError) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+_STOP = object()
+
+
+class SchedulerThread:
+    """`scheduler_factory` is called on the thread (model loading never blocks an event loop);
+    requests submitted before it returns wait in the inbox. `on_round(report)` runs on the thread
+    after every step; an exception in it is logged and ignored."""
+
+    def __init__(self, scheduler_factory: Callable[[], Scheduler], on_round: OnRound | None = None):
+        self._factory = scheduler_factory
+        self.on_round = on_round
+        self.scheduler: Scheduler | None = None
+        self.ready = threading.Event()  # set once the scheduler exists (or failed to be made)
+        self.start_error: BaseException | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
+
+    # -- called from any thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Queue a request. Its sink receives RequestUpdates, or one ValueError if it is invalid."""
+        self._inbox.put(("add", request, sink))
+
+    def abort(self, req_id: str) -> None:
+        self._inbox.put(("abort", req_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the thread: requests still queued or running end with UNAVAILABLE."""
+        if self._thread.is_alive():
+            self._inbox.put((_STOP,))
+            self._thread.join(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and self.start_error is None
+
+    @property
+    def num_active(self) -> int:
+        return len(self._sinks)
+
+    # -- the thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.scheduler = self._factory()
+        except BaseException as e:  # noqa: BLE001 - reported to every request and to health
+            log.exception("the scheduler failed to start")
+            self.start_error = e
+            self.ready.set()
+            self._serve_failed(f"the engine failed to start: {type(e).__name__}: {e}")
+            return
+        self.ready.set()
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - never leave a client waiting for an answer
+            log.exception("the scheduler loop crashed")
+            message = f"the scheduler loop crashed: {type(e).__name__}: {e}"
+            self._fail_everyone(message, "internal")
+            self._serve_failed(message)
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            # Block when idle; otherwise take whatever arrived since the last round. The wait is
+            # bounded: releases that failed (worker restarting) become due again later on their own.
+            block = not sched.has_work()
+            while True:
+                try:
+                    command = self._inbox.get(block=block, timeout=1.0 if block else None)
+                except queue.Empty:
+                    break
+                block = False
+                if command[0] is _STOP:
+                    self._shutdown()
+                    return
+                self._handle(command)
+            if not sched.has_work():
+                continue
+            try:
+                report = sched.step()
+            except Exception as e:  # noqa: BLE001 - a bug in a round fails its requests, not the server
+                log.exception("a scheduler round raised")
+                for req_id in list(self._sinks):
+                    with contextlib.suppress(Exception):
+                        sched.abort(req_id)
+                self._fail_everyone(f"{type(e).__name__}: {e}", "internal")
+                continue
+            self._route(report.updates)
+            if report.ran:
+                log.debug("round: %d requests, %d tokens, draft %.1f ms, verify %.1f ms, overhead %.1f ms",
+                          report.batch_size, report.committed_tokens, 1e3 * report.draft_seconds,
+                          1e3 * report.verify_seconds, 1e3 * report.overhead_seconds)
+            if self.on_round is not None:
+                try:
+                    self.on_round(report)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    log.exception("on_round hook failed")
+
+    def _handle(self, command) -> None:
+        if command[0] == "add":
+            _, request, sink = command
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as e:
+                sink.put(e)
+                return
+            except Exception as e:  # noqa: BLE001
+                log.exception("add_request raised")
+                sink.put(RequestUpdate.failure(request.req_id, f"{type(e).__name__}: {e}", "internal"))
+                return
+            self._sinks[request.req_id] = sink
+        elif command[0] == "abort":
+            if self._sinks.pop(command[1], None) is not None:
+                self.scheduler.abort(command[1])
+
+    def _route(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            sink = self._sinks.get(update.req_id)
+            if sink is None:
+                continue
+            if update.finished:
+                del self._sinks[update.req_id]
+            sink.put(update)
+
+    def _shutdown(self) -> None:
+        for req_id in list(self._sinks):
+            self.scheduler.abort(req_id)
+        self._fail_everyone("the server is shutting down", "unavailable")
+        self._fail_queued("the server is shutting down")
+        with contextlib.suppress(Exception):
+            self.scheduler.step()  # frees the workers' caches of what was aborted
+
+    def _fail_everyone(self, message: str, kind: str) -> None:
+        for req_id, sink in list(self._sinks.items()):
+            sink.put(RequestUpdate.failure(req_id, message, kind))
+        self._sinks.clear()
+
+    def _serve_failed(self, message: str) -> None:
+        """No scheduler: answer every submission with UNAVAILABLE until stopped."""
+        while (command := self._inbox.get())[0] is not _STOP:
+            if command[0] == "add":
+                command[2].put(RequestUpdate.failure(command[1].req_id, message, "unavailable"))
+
+    def _fail_queued(self, message: str) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[2].put(RequestUpdate.failure(command[1].req_id, message, "unavailable"))

@@ -1,0 +1,275 @@
+"""`specdec serve`: start the service.
+
+With no arguments: start a local Ray instance (dashboard on http://127.0.0.1:8265), put the
+shipped pair (models/target drafted by models/draft) in Ray actors, and serve Generate on
+0.0.0.0:50051. Workers listen on 127.0.0.1 only; only the coordinator's public port is open.
+
+  specdec serve                                   # shipped pair, local Ray, port 50051
+  specdec serve --target DIR --draft ngram        # n-gram (prompt lookup) drafting
+  specdec serve --ray-address auto --worker-host node-ip   # join a running cluster
+  specdec serve --no-ray                          # one process, no Ray (development, tests)
+
+Every setting is also read from its SPECDEC_* environment variable (named in each flag's help);
+a flag beats the environment, the environment beats the default.
+
+SIGTERM / SIGINT drain: the server refuses new requests (UNAVAILABLE), in-flight requests run to
+completion for up to --grace-period seconds, then the actors stop, Ray shuts down if this command
+started it, and the exit status is 0. A second signal exits at once (status 1).
+
+On a cluster whose nodes carry specdec_* resources (k8s/raycluster.yaml) the command first waits
+for the target/draft worker nodes (--worker-wait), and each actor goes to its own node. A worker
+whose process dies is restarted by Ray (--max-restarts) on the same port: requests in flight end
+with UNAVAILABLE, requests after its recovery succeed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from specdec.app.flags import SERVE_SETTINGS, add_settings, all_serve_settings, given_settings
+from specdec.config import REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET, ConfigError, ServiceConfig
+
+DRAFT_DEFAULT_NOTE = "models/draft with the shipped target, else none"
+
+
+class ServeError(Exception):
+    """A problem the user can fix (bad path, port in use): printed without a traceback."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__.split("\n\n", 1)[1]
+    for title, names in SERVE_SETTINGS.items():
+        add_settings(parser.add_argument_group(title), names, {"draft": DRAFT_DEFAULT_NOTE})
+    parser.add_argument("--quiet", action="store_true", help="less Ray logging")
+
+
+# --- argument checks --------------------------------------------------------------------------
+
+
+def _check_model_dir(path: str, what: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        hint = ""
+        if p.resolve() in (SHIPPED_TARGET.resolve(), SHIPPED_DRAFT.resolve()):
+            hint = " (the shipped models are built by scripts/ in this repository; or pass --target/--draft)"
+        raise ServeError(f"{what} model directory {p} does not exist{hint}")
+    if not (p / "config.json").is_file():
+        raise ServeError(f"{what} model directory {p} has no config.json (expected a Hugging Face "
+                         "Llama checkpoint: config.json + *.safetensors)")
+    if not any(p.glob("*.safetensors")):
+        raise ServeError(f"{what} model directory {p} has no *.safetensors weights")
+    return str(p.resolve())
+
+
+def build_config(args) -> ServiceConfig:
+    """The service's one config: flags, then SPECDEC_* variables, then the defaults; the draft
+    defaults to the shipped draft only when the target is the shipped target."""
+    given = given_settings(args, all_serve_settings())
+    if "draft" not in given:
+        given["draft"] = str(SHIPPED_DRAFT) if "target" not in given else None
+    try:
+        config = ServiceConfig.from_settings(**given)
+    except ConfigError as e:
+        raise ServeError(str(e)) from None
+    target = _check_model_dir(config.target.model, "target")
+    draft = config.draft.model
+    if config.draft.kind == "model":
+        draft = _check_model_dir(draft, "draft")
+    if config.server.tls_cert:
+        for path in (config.server.tls_cert, config.server.tls_key):
+            if not Path(path).is_file():
+                raise ServeError(f"TLS file {path} does not exist")
+    return ServiceConfig.from_settings(config, target=target, draft=draft)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early and clearly (before Ray starts) if the public port is taken."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]"), port))
+        except PermissionError:
+            raise ServeError(f"no permission to bind {host}:{port}: choose a port above 1023 with --port") from None
+        except OSError as e:
+            raise ServeError(f"port {port} on {host} is in use ({e.strerror}): is another specdec serve "
+                             f"running? Choose another with --port") from None
+
+
+# --- signals ---------------------------------------------------------------------------------
+
+
+class _Signals:
+    """First SIGTERM/SIGINT: set `stop` (drain). Second: exit at once with status 1."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.received: str | None = None
+        self.install()
+
+    def install(self) -> None:
+        """(Re)install the handlers: ray.init replaces the SIGTERM handler with its own."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.stop.is_set():
+            print("specdec: second signal, exiting without draining", file=sys.stderr, flush=True)
+            os._exit(1)
+        self.received = signal.Signals(signum).name
+        self.stop.set()
+
+    def wait(self) -> None:
+        # Event.wait with a timeout lets the main thread run the Python signal handler promptly.
+        while not self.stop.wait(0.5):
+            pass
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _describe(config: ServiceConfig) -> str:
+    return (f"{config.target.model} (+draft {config.draft.model})" if config.draft.model
+            else f"{config.target.model} (no draft)")
+
+
+# --- the two ways to serve ---------------------------------------------------------------------
+
+
+def _serve_in_process(config: ServiceConfig, signals: _Signals) -> int:
+    from coordinator.metrics import RoundMetrics
+    from coordinator.server import GenerationServer
+    from coordinator.server_thread import ServerThread
+    from specdec.app.embedded import LocalSchedulerFactory
+
+    factory = LocalSchedulerFactory(config)
+    server = GenerationServer(factory, factory.tokenizer, config.server, RoundMetrics(config.ray.name))
+    handle = ServerThread(server)
+    try:
+        port = handle.start(wait_ready=True)
+    except Exception as e:  # noqa: BLE001
+        handle.stop(0)
+        raise ServeError(f"could not start: {e}") from e
+    _say(f"specdec serving {_describe(config)} on {config.server.host}:{port} (in-process, no Ray)")
+    signals.wait()
+    _say(f"specdec: {signals.received}, draining (grace {config.server.grace_period:g}s)")
+    handle.stop()
+    _say("specdec: stopped")
+    return 0
+
+
+def _ray_init(config: ServiceConfig, quiet: bool):
+    import ray
+
+    started = config.ray.address is None
+    kwargs = dict(namespace="specdec", logging_level="WARNING" if quiet else "INFO")
+    if started:
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+        context = ray.init(include_dashboard=True, dashboard_host=config.ray.dashboard_host,
+                           dashboard_port=config.ray.dashboard_port, num_cpus=max(os.cpu_count() or 1, 2),
+                           runtime_env={"env_vars": env}, **kwargs)
+    else:
+        context = ray.init(address=config.ray.address, **kwargs)
+    url = getattr(context, "dashboard_url", None) or ""
+    if url and not url.startswith("http"):
+        url = f"http://{url}"
+    info = getattr(context, "address_info", None) or {}
+    metrics_port = info.get("metrics_export_port")
+    metrics = f"http://{info.get('node_ip_address', '127.0.0.1')}:{metrics_port}/metrics" if metrics_port else ""
+    return ray, started, url, metrics
+
+
+def _plan_gpus(ray, config: ServiceConfig, started: bool, stop=None) -> float | None:
+    """GPUs per worker actor (None: one each), after waiting for the worker nodes of a cluster.
+
+    A cluster laid out for specdec (custom resources specdec_*, as in k8s/raycluster.yaml) gets
+    its worker nodes waited for (worker_wait) and one GPU per worker. Otherwise two GPU workers
+    on a single machine with one GPU share it (0.5 each) rather than wait forever; on a multi-node
+    cluster they are never made to share, since more GPU nodes may still be joining."""
+    from specdec.app.ray_actors import DRAFT_RESOURCE, TARGET_RESOURCE, specdec_resources, wait_for_resources
+
+    draft_model = config.draft.kind == "model"
+    if not started and specdec_resources():
+        needed = [TARGET_RESOURCE] + ([DRAFT_RESOURCE] if draft_model else [])
+
+        def tell(missing: list[str]) -> None:
+            _say(f"specdec: waiting up to {config.ray.worker_wait:g}s for Ray worker nodes with "
+                 f"{', '.join(missing)} to join (`ray status` shows the nodes)")
+
+        try:
+            wait_for_resources(needed, config.ray.worker_wait, tell, stop=stop)
+        except TimeoutError as e:
+            raise ServeError(str(e)) from None
+        return None
+    if not (config.target.device.startswith("cuda") and draft_model):
+        return None
+    have = ray.cluster_resources().get("GPU", 0)
+    single_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    if 0 < have < 2 and (started or single_node):
+        return have / 2
+    return None
+
+
+def _serve_with_ray(config: ServiceConfig, quiet: bool, signals: _Signals) -> int:
+    t0 = time.perf_counter()
+    ray, started, dashboard, metrics_url = _ray_init(config, quiet)
+    signals.install()
+    try:
+        if signals.stop.is_set():
+            return 0
+        from specdec.app.ray_actors import launch
+
+        if config.ray.worker_host is None:
+            config = ServiceConfig.from_settings(config, worker_host="127.0.0.1" if started else "node-ip")
+        gpus = _plan_gpus(ray, config, started, signals.stop)
+        if signals.stop.is_set():
+            return 0
+        try:
+            deployment = launch(config, target_gpus=gpus, draft_gpus=gpus)
+        except (RuntimeError, ValueError) as e:
+            raise ServeError(f"could not start the service: {e}") from e
+        if signals.stop.is_set():
+            deployment.drain_and_stop(0)
+            return 0
+        where = f"{config.server.host}:{deployment.port}"
+        extra = f"; dashboard at {dashboard}" if dashboard else ""
+        _say(f"specdec serving {_describe(config)} on {where}{extra} "
+             f"(ready in {time.perf_counter() - t0:.1f}s; workers: target {deployment.target_address}"
+             f"{', draft ' + deployment.draft_address if deployment.draft_address else ''})")
+        if metrics_url:
+            _say(f"specdec metrics (Prometheus, ray_specdec_*) at {metrics_url}")
+        signals.wait()
+        grace = config.server.grace_period
+        _say(f"specdec: {signals.received}, draining (grace {grace:g}s)")
+        snapshot = deployment.drain_and_stop(grace)
+        if snapshot:
+            rate = snapshot.get("acceptance_rate")
+            _say(f"specdec: stopped after {snapshot.get('rounds', 0)} rounds, {snapshot.get('generated_tokens', 0)} "
+                 f"tokens" + (f", acceptance rate {rate:.3f}" if rate is not None else ""))
+        else:
+            _say("specdec: stopped")
+        return 0
+    finally:
+        ray.shutdown()  # stops the local instance if this command started it; else just disconnects
+
+
+def run(args) -> int:
+    signals = _Signals()
+    try:
+        config = build_config(args)
+        check_port_free(config.server.host, config.server.port)
+        if not config.ray.enabled:
+            return _serve_in_process(config, signals)
+        return _serve_with_ray(config, args.quiet, signals)
+    except ServeError as e:
+        print(f"specdec serve: error: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,279 @@
+"""Every setting of the service, declared once: its default, its help text and its check.
+
+One frozen dataclass per role (target worker, draft worker, scheduler, public server, Ray
+deployment), composed into `ServiceConfig`. A config is built once, from Python keyword arguments
+(`ServiceConfig.from_settings(**kwargs)`, which LocalEngine uses), from `specdec serve` flags or
+from `SPECDEC_*` environment variables, validated as it is built (errors name the field), and
+passed whole to every factory. `specdec serve --help` and the README's settings table print the
+defaults written here.
+
+A *setting* has one flat name used everywhere: the keyword argument `max_batch_size`, the flag
+`--max-batch-size`, the variable `SPECDEC_MAX_BATCH_SIZE`. Most map to one field; the worker
+settings (`device`, `dtype`, `kv_*`) set the target's and the draft's field alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_TARGET = REPO_ROOT / "models" / "target"
+SHIPPED_DRAFT = REPO_ROOT / "models" / "draft"
+NGRAM = "ngram"  # the draft "model" that is prompt lookup, not a checkpoint
+ENV_PREFIX = "SPECDEC_"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message names the setting."""
+
+
+def setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, where: str, requirement: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{where} must be {requirement}, got {value!r}")
+
+
+def _positive(where: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, where,
+           "a positive integer" + (" or unset" if optional else ""), value)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker runs its model. The target's and the draft's are separate objects."""
+
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA")
+    kv_cache_blocks: int | None = setting(
+        None, "KV-cache blocks per worker; unset: room for 32 sequences of the full context, "
+              "at most kv_cache_max_bytes")
+    kv_block_size: int = setting(16, "tokens per KV-cache block")
+    kv_cache_max_bytes: int = setting(1 << 30, "memory cap of the default KV-cache size, in bytes")
+    num_threads: int | None = setting(None, "torch intra-op threads of the worker; unset: torch's default")
+
+    role = "worker"  # names the fields in error messages
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+               f"{self.role}.device", "cpu, cuda or cuda:N", self.device)
+        _check(self.dtype in DTYPES, f"{self.role}.dtype", f"one of {', '.join(DTYPES)}", self.dtype)
+        _positive(f"{self.role}.kv_cache_blocks", self.kv_cache_blocks, optional=True)
+        _positive(f"{self.role}.kv_block_size", self.kv_block_size)
+        _positive(f"{self.role}.kv_cache_max_bytes", self.kv_cache_max_bytes)
+        _positive(f"{self.role}.num_threads", self.num_threads, optional=True)
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class TargetConfig(WorkerConfig):
+    model: str = setting(str(SHIPPED_TARGET), "target checkpoint directory")
+
+    role = "target"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(isinstance(self.model, str) and bool(self.model), "target.model", "a checkpoint path", self.model)
+
+
+@dataclass(frozen=True)
+class DraftConfig(WorkerConfig):
+    model: str | None = setting(None, f"draft checkpoint directory, '{NGRAM}' (prompt lookup) or none")
+    max_q_entries: int = setting(256, "proposal distribution entries sent per draft token (sampled requests)")
+    ngram_max: int = setting(4, "longest suffix the n-gram drafter looks up")
+    ngram_min: int = setting(1, "shortest suffix the n-gram drafter looks up")
+    ngram_window: int = setting(2048, "most recent tokens the n-gram drafter searches")
+
+    role = "draft"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.model, str) and self.model.lower() == "none":
+            object.__setattr__(self, "model", None)
+        _check(self.model is None or (isinstance(self.model, str) and bool(self.model)), "draft.model",
+               f"a checkpoint path, '{NGRAM}' or none", self.model)
+        _positive("draft.max_q_entries", self.max_q_entries)
+        _positive("draft.ngram_min", self.ngram_min)
+        _positive("draft.ngram_window", self.ngram_window)
+        _check(isinstance(self.ngram_max, int) and self.ngram_max >= self.ngram_min, "draft.ngram_max",
+               f"an integer >= ngram_min ({self.ngram_min})", self.ngram_max)
+
+    @property
+    def kind(self) -> str:
+        """"none" (no speculation), "ngram" or "model"."""
+        if self.model is None:
+            return "none"
+        return NGRAM if self.model == NGRAM else "model"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_speculative_tokens: int = setting(5, "draft tokens per round (K); 0: no speculation")
+    max_batch_size: int = setting(32, "requests per round at most")
+
+    # A request may ask for its own K up to this bound.
+    max_request_speculative_tokens = 64
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.num_speculative_tokens, int)
+               and 0 <= self.num_speculative_tokens <= self.max_request_speculative_tokens,
+               "scheduler.num_speculative_tokens", f"an integer in [0, {self.max_request_speculative_tokens}]",
+               self.num_speculative_tokens)
+        _positive("scheduler.max_batch_size", self.max_batch_size)
+
+
+def host_port(host: str, port: int) -> str:
+    """"host:port", with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = setting("0.0.0.0", "public bind address of the Generation service")
+    port: int = setting(50051, "public port (0: any free port)")
+    tls_cert: str | None = setting(None, "PEM certificate for the public port (with tls_key)")
+    tls_key: str | None = setting(None, "PEM private key for the public port")
+    auth_token: str | None = setting(None, "require 'authorization: Bearer <token>' on every call but health")
+    grace_period: float = setting(30.0, "seconds in-flight requests may take to finish when the server stops")
+    max_concurrent_rpcs: int | None = setting(None, "public RPCs served at once; unset: no limit")
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.port, int) and 0 <= self.port < 65536, "server.port", "a port number", self.port)
+        _check((self.tls_cert is None) == (self.tls_key is None), "server.tls_key",
+               "given together with tls_cert", self.tls_key)
+        _check(self.grace_period >= 0, "server.grace_period", "a number of seconds >= 0", self.grace_period)
+        _positive("server.max_concurrent_rpcs", self.max_concurrent_rpcs, optional=True)
+
+    @property
+    def address(self) -> str:
+        return host_port(self.host, self.port)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    enabled: bool = setting(True, "run the workers and the coordinator as Ray actors (no: one process)")
+    address: str | None = setting(None, "join this Ray cluster ('auto', 'head:6379'); unset: start one")
+    dashboard_host: str = setting("127.0.0.1", "dashboard bind address (a Ray instance this command starts)")
+    dashboard_port: int = setting(8265, "dashboard port (a Ray instance this command starts)")
+    name: str = setting("specdec", "deployment name: actors <name>-target/-draft/-coordinator")
+    worker_host: str | None = setting(
+        None, "bind address of the worker gRPC servers: 127.0.0.1 or 'node-ip'; "
+              "unset: 127.0.0.1 for a local Ray instance, node-ip with ray_address")
+    worker_cpus: float = setting(1.0, "CPUs Ray reserves for each worker actor")
+    max_restarts: int = setting(3, "times Ray restarts a dead actor (-1: forever)")
+    worker_wait: float = setting(600.0, "seconds to wait for the target/draft worker nodes of a cluster")
+    target_worker_port: int = setting(50061, "target worker port when it binds a non-loopback address")
+    draft_worker_port: int = setting(50062, "draft worker port when it binds a non-loopback address")
+
+    def __post_init__(self) -> None:
+        _check(self.max_restarts >= -1, "ray.max_restarts", "an integer >= -1", self.max_restarts)
+        _check(self.worker_cpus >= 0, "ray.worker_cpus", "a number >= 0", self.worker_cpus)
+        for name in ("target_worker_port", "draft_worker_port", "dashboard_port"):
+            port = getattr(self, name)
+            _check(isinstance(port, int) and 0 <= port < 65536, f"ray.{name}", "a port number", port)
+
+
+# Settings whose flat name is not simply the field's name.
+_RENAMED = {
+    ("target", "model"): "target", ("draft", "model"): "draft",
+    ("target", "num_threads"): "target_threads", ("draft", "num_threads"): "draft_threads",
+    ("ray", "enabled"): "ray", ("ray", "address"): "ray_address",
+}
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @classmethod
+    def from_settings(cls, base: ServiceConfig | None = None, **settings) -> ServiceConfig:
+        """`base` (default: all defaults) with flat settings replaced, e.g.
+        `ServiceConfig.from_settings(target="models/target", draft="ngram", max_batch_size=8)`."""
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(SETTINGS))}")
+        changes: dict[str, dict] = {}
+        for name, value in settings.items():
+            for role, field_name in SETTINGS[name]:
+                changes.setdefault(role, {})[field_name] = value
+        config = base or cls()
+        return dataclasses.replace(config, **{role: dataclasses.replace(getattr(config, role), **fields)
+                                              for role, fields in changes.items()})
+
+
+def _role_classes() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(ServiceConfig)}
+
+
+def _flat_settings() -> dict[str, tuple[tuple[str, str], ...]]:
+    out: dict[str, list[tuple[str, str]]] = {}
+    for role, cls in _role_classes().items():
+        for f in dataclasses.fields(cls):
+            out.setdefault(_RENAMED.get((role, f.name), f.name), []).append((role, f.name))
+    return {name: tuple(targets) for name, targets in out.items()}
+
+
+# flat setting name -> the (role, field) pairs it sets
+SETTINGS: dict[str, tuple[tuple[str, str], ...]] = _flat_settings()
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    name: str
+    default: object
+    help: str
+    value_type: type  # int, float, str or bool (None allowed when `optional`)
+    optional: bool
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def describe(name: str) -> SettingInfo:
+    """Default, help text and type of a flat setting (from its first field)."""
+    role, field_name = SETTINGS[name][0]
+    cls = _role_classes()[role]
+    f = next(f for f in dataclasses.fields(cls) if f.name == field_name)
+    hint = typing.get_type_hints(cls)[field_name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    value_type = args[0] if args else hint
+    return SettingInfo(name, f.default, f.metadata["help"], value_type, optional=len(args) < len(typing.get_args(hint)))
+
+
+def parse_setting(name: str, text: str):
+    """A setting's value from text (an environment variable): 'none' or '' is None where allowed."""
+    info = describe(name)
+    if info.optional and text.strip().lower() in ("", "none"):
+        return None
+    try:
+        if info.value_type is bool:
+            lowered = text.strip().lower()
+            if lowered not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError
+            return lowered in ("1", "true", "yes", "on")
+        return info.value_type(text)
+    except ValueError:
+        raise ConfigError(f"{info.env_var}={text!r} is not a valid {info.value_type.__name__}") from None
+
+
+def settings_from_env(environ: typing.Mapping[str, str]) -> dict:
+    """The flat settings given as SPECDEC_<NAME> variables in `environ`."""
+    return {name: parse_setting(name, environ[ENV_PREFIX + name.upper()])
+            for name in SETTINGS if ENV_PREFIX + name.upper() in environ}

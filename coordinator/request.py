@@ -40,6 +40,7 @@ class Request:
     params: SamplingParams
     num_speculative_tokens: int | None = None  # None = the server default, 0 = no speculation
     deadline: float | None = None  # time.monotonic() value after which the request is cut off
+    client_seed: bool = False  # the client chose the seed: the output must be reproducible
 
 
 @dataclass

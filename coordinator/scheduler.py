@@ -6,21 +6,36 @@ scheduler knows token ids, lengths and limits, never model internals.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.errors import WorkerUnavailable
 from coordinator.request import Request, RequestStats, RunningRequest
+from coordinator.round_costs import RoundCosts, measure_round_costs
 from coordinator.round_report import RequestUpdate, RoundReport
+from coordinator.speculation_policy import PolicyRequest, SpeculationPolicy
 from coordinator.text_stream import TextStream
 from specdec.config import SchedulerConfig
 from specdec.kv_cache import blocks_for_tokens
-from specdec.round_types import DraftProposal, DraftTask, VerifyTask
+from specdec.round_types import DraftInfo, DraftProposal, DraftTask, TargetInfo, VerifyTask
+from specdec.sampling import random_seed
+
+
+def reference_draft_cost(target: TargetInfo, draft: DraftInfo | None) -> float:
+    """A draft step's cost in target steps, from the models' sizes alone (machine-independent, so
+    seeded requests can use it): 0 for the n-gram drafter."""
+    parameters = (draft.extra or {}).get("parameters") if draft is not None else None
+    if not parameters or not target.num_parameters:
+        return 0.0
+    return parameters / target.num_parameters
 
 
 class Scheduler:
-    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, config: SchedulerConfig):
+    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, config: SchedulerConfig,
+                 costs: RoundCosts | None = None):
+        """`costs`: what rounds cost here, for the adaptive policy; None measures them now."""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -44,6 +59,12 @@ class Scheduler:
         # After a failed release (worker down) wait before retrying, instead of spinning on it.
         self._release_retry_at = 0.0
         self.kv_blocks_used = 0
+        self.policy: SpeculationPolicy | None = None
+        if config.adaptive and draft is not None and config.num_speculative_tokens > 0:
+            if costs is None:
+                costs = measure_round_costs(target, draft, self.max_seq_len, config.max_batch_size,
+                                            config.num_speculative_tokens)
+            self.policy = SpeculationPolicy(costs, reference_draft_cost(self.target_info, self.draft_info))
 
     # -- admission ------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -73,6 +94,11 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.validate(request)
+        request.client_seed = request.params.seed is not None
+        if request.params.seed is None:
+            # The request's randomness is a function of its seed (specdec.sampling.random); the
+            # coordinator holds it, so both workers, and any restarted one, use the same draws.
+            request.params = dataclasses.replace(request.params, seed=random_seed())
         self.waiting.append(request)
 
     def abort(self, req_id: str) -> bool:
@@ -127,14 +153,26 @@ class Scheduler:
             self._release_target.append(req_id)
         if run.num_speculative_tokens > 0:
             self._release_draft.append(req_id)
+        if self.policy is not None:
+            self.policy.forget(req_id)
 
     # -- the round --------------------------------------------------------------------------
-    def _speculative_tokens_this_round(self, run: RunningRequest) -> int:
-        """Draft length this round: shrinks near max_new_tokens and the context end, so a round
-        never overflows and always commits at least one token."""
+    def _cap(self, run: RunningRequest) -> int:
+        """The most a request may draft this round: shrinks near max_new_tokens and the context
+        end, so a round never overflows and always commits at least one token."""
         length = len(run.request.prompt_ids) + len(run.generated)
         remaining = run.request.params.max_new_tokens - len(run.generated)
         return max(0, min(run.num_speculative_tokens, remaining - 1, self.max_seq_len - length - 1))
+
+    def _choose(self, runs: list[RunningRequest]) -> dict[str, int]:
+        """K per request: the policy's choice under each cap, or the cap itself in fixed mode."""
+        caps = [self._cap(run) for run in runs]
+        if self.policy is None:
+            return {run.request.req_id: cap for run, cap in zip(runs, caps)}
+        asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy,
+                              seeded=run.request.client_seed and not run.request.params.greedy)
+                for run, cap in zip(runs, caps)]
+        return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 
     def step(self) -> RoundReport:
         start = time.perf_counter()
@@ -152,7 +190,7 @@ class Scheduler:
     def _run_round(self, report: RoundReport) -> None:
         runs = list(self.running.values())
         report.batch_size = len(runs)
-        asked = {r.request.req_id: self._speculative_tokens_this_round(r) for r in runs}
+        asked = self._choose(runs)
         try:
             start = time.perf_counter()
             proposals = self._draft_round(runs, asked)
@@ -186,6 +224,12 @@ class Scheduler:
             run.started_target = True
         for outcome in result.outcomes:
             run = self.running[outcome.req_id]
+            if outcome.error:  # the target refused this request's proposal: it fails alone
+                self._retire(outcome.req_id)
+                report.updates.append(RequestUpdate.failure(
+                    outcome.req_id, f"the draft worker sent a proposal the target refused: {outcome.error}",
+                    "internal", stats=run.stats))
+                continue
             proposal = proposals.get(outcome.req_id)
             proposed = len(proposal.tokens) if proposal is not None else 0
             run.stats.rounds += 1
@@ -197,23 +241,28 @@ class Scheduler:
             update.num_speculative_tokens = asked[outcome.req_id]
             update.proposed, update.accepted = proposed, outcome.num_accepted
             report.updates.append(update)
+        if self.policy is not None:
+            self.policy.observe(report, {r.request.req_id: r.request.params.greedy for r in runs})
 
     def _draft_round(self, runs: list[RunningRequest], asked: dict[str, int]) -> dict[str, DraftProposal]:
+        """One draft call, only when some request drafts this round or releases are due; tokens
+        committed meanwhile reach the drafter with its next task."""
+        if self.draft is None or not (any(asked.values()) or self._release_draft):
+            return {}
         tasks = []
         for run in runs:
             if run.num_speculative_tokens == 0:
                 continue
             tasks.append(DraftTask(req_id=run.request.req_id, new_tokens=run.unsent_to_draft,
                                    num_speculative_tokens=asked[run.request.req_id], params=run.request.params))
-            run.unsent_to_draft = []
         finished, self._release_draft = self._release_draft, []
-        if self.draft is None or not (tasks or finished):
-            return {}
         try:
             proposals = self.draft.propose(tasks, finished)
         except Exception:
             self._release_draft = finished + self._release_draft
             raise
+        for run in runs:
+            run.unsent_to_draft = [] if run.num_speculative_tokens else run.unsent_to_draft
         return {p.req_id: p for p in proposals}
 
     def _commit(self, run: RunningRequest, tokens: list[int]) -> RequestUpdate:

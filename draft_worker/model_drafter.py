@@ -17,20 +17,19 @@ from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
 from specdec.sampling import (
+    DRAFT,
     BatchSamplingParams,
-    draw_uniforms,
-    make_generator,
     presence_mask,
     probs_from_logits,
     sample_from_probs,
-    sparsify_probs,
+    top_entries,
+    uniforms,
 )
 
 
 @dataclass
 class _DraftSequence:
     params: SamplingParams
-    generator: torch.Generator
     tokens: list[int] = field(default_factory=list)  # committed tokens, as told by the coordinator
     fed: list[int] = field(default_factory=list)  # tokens whose K/V sit in the draft's cache
 
@@ -44,29 +43,28 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
-                  generators: list[torch.Generator], max_q_entries: int | None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pick one token per row; return (tokens [N], q [N, V] or None when every row is greedy).
+                  max_q_entries: int | None) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Pick one token per row; return (tokens [N], {row: (q ids [n], q probs [n])} of sampled rows).
 
-    Sampled rows draw from q itself, after any sparsification, so the q sent to the target is
-    exactly the distribution the token came from.
+    logits: [N, V]; contexts[r]: row r's tokens so far, so len(contexts[r]) is the position of the
+    token it picks. A sampled row's q is its top max_q_entries probabilities, renormalised, and the
+    token is drawn from exactly that q with the request's DRAFT uniform at that position: the q
+    sent to the target is the distribution the token came from.
     """
     needs_presence = any(p.repetition_penalty != 1.0 for p in params)
     if all(p.greedy for p in params) and not needs_presence:
-        return logits.argmax(dim=-1), None
+        return logits.argmax(dim=-1), {}
     presence = presence_mask(contexts, logits.shape[-1], logits.device) if needs_presence else None
-    q = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
-    sampled = torch.tensor([not p.greedy for p in params])
-    tokens = q.argmax(dim=-1)  # greedy rows are one-hot
-    if sampled.any():
-        rows = sampled.nonzero().flatten()
-        q_sampled = q[rows]
-        if max_q_entries is not None:
-            q_sampled = sparsify_probs(q_sampled, max_q_entries)
-            q[rows] = q_sampled
-        u = draw_uniforms([generators[i] for i in rows.tolist()], 1, logits.device)[:, 0]
-        tokens[rows] = sample_from_probs(q_sampled, u)
-    return tokens, q
+    probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
+    tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens, {}
+    ids, q = top_entries(probs[rows], max_q_entries)  # [S, n]
+    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT)
+    picked = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
+    tokens[rows] = picked
+    return tokens, {row: (ids[i], q[i]) for i, row in enumerate(rows)}
 
 
 class ModelDrafter(Drafter):
@@ -92,7 +90,7 @@ class ModelDrafter(Drafter):
         """Record the newly committed tokens; roll the cache back; return what must be fed."""
         seq = self._seqs.get(task.req_id)
         if seq is None:
-            seq = _DraftSequence(params=task.params, generator=make_generator(task.params.seed))
+            seq = _DraftSequence(params=task.params)
             self._seqs[task.req_id] = seq
             self.runner.cache.add_sequence(task.req_id)
         seq.tokens.extend(task.new_tokens)
@@ -113,25 +111,26 @@ class ModelDrafter(Drafter):
         feed = {t.req_id: self._sync(t) for t in tasks}
         wanted = {t.req_id: t.num_speculative_tokens for t in tasks}
         drafted: dict[str, list[int]] = {t.req_id: [] for t in tasks}
-        q_rows: dict[str, list[torch.Tensor]] = {t.req_id: [] for t in tasks}
+        q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.req_id: [] for t in tasks}
         for step in range(max(wanted.values(), default=0)):
             ids = [r for r in wanted if wanted[r] > step]
             seqs = [self._seqs[r] for r in ids]
             logits = self.runner.run(ids, [feed[r] for r in ids], [1] * len(ids))
             tokens, q = choose_tokens(torch.cat(logits), [s.params for s in seqs],
-                                      [s.tokens + drafted[r] for r, s in zip(ids, seqs)],
-                                      [s.generator for s in seqs], self.max_q_entries)
+                                      [s.tokens + drafted[r] for r, s in zip(ids, seqs)], self.max_q_entries)
+            tokens = tokens.tolist()
             for row, (req_id, seq) in enumerate(zip(ids, seqs)):
                 seq.fed.extend(feed[req_id])
-                token = int(tokens[row])
-                drafted[req_id].append(token)
-                feed[req_id] = [token]
-                if not seq.params.greedy:
+                drafted[req_id].append(tokens[row])
+                feed[req_id] = [tokens[row]]
+                if row in q:
                     q_rows[req_id].append(q[row])
         proposals = []
         for t in tasks:
             rows = q_rows[t.req_id]
-            q = SparseDist.from_dense(torch.stack(rows)) if rows else None
+            q = None
+            if rows:
+                q = SparseDist(token_ids=torch.stack([r[0] for r in rows]), probs=torch.stack([r[1] for r in rows]))
             proposals.append(DraftProposal(req_id=t.req_id, tokens=drafted[t.req_id], q=q,
                                            draft_forward_passes=len(drafted[t.req_id])))
         return proposals

@@ -120,7 +120,9 @@ class DraftConfig(WorkerConfig):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_speculative_tokens: int = setting(5, "draft tokens per round (K); 0: no speculation")
+    num_speculative_tokens: int = setting(5, "the most draft tokens per round (K); 0: no speculation")
+    adaptive: bool = setting(True, "choose K per request and round (0 to the maximum) from acceptance and "
+                                   "measured costs; no: always the maximum")
     max_batch_size: int = setting(32, "requests per round at most")
 
     # A request may ask for its own K up to this bound.

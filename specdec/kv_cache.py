@@ -87,8 +87,11 @@ class PagedKVCache:
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
 
-    def append_slots(self, seq_id: str, num_new: int) -> torch.Tensor:
-        """Grow the sequence by num_new tokens (allocating blocks) and return their flat slots."""
+    def append_slots(self, seq_id: str, num_new: int) -> list[int]:
+        """Grow the sequence by num_new tokens (allocating blocks) and return their flat slots.
+
+        Plain Python ints: a pass builds one tensor from every sequence's slots, instead of a few
+        small tensors per sequence."""
         start = self._lengths[seq_id]
         new_len = start + num_new
         table = self._tables[seq_id]
@@ -96,9 +99,8 @@ class PagedKVCache:
         if missing > 0:
             table.extend(self.allocator.allocate(missing))
         self._lengths[seq_id] = new_len
-        positions = torch.arange(start, new_len)
-        blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        size = self.block_size
+        return [table[pos // size] * size + pos % size for pos in range(start, new_len)]
 
     def truncate_to(self, seq_id: str, length: int) -> None:
         """Keep only the first `length` tokens; trailing blocks go back to the pool now."""

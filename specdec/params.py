@@ -9,8 +9,10 @@ class SamplingParams:
     """How one request is decoded.
 
     temperature == 0 means greedy decoding (argmax); top_k == 0 and top_p == 1.0 disable those
-    filters; repetition_penalty == 1.0 disables the penalty. `seed` makes sampling reproducible:
-    every request owns its own generator, so batching never changes what a seeded request gets.
+    filters; repetition_penalty == 1.0 disables the penalty. `seed` (an unsigned 64-bit integer)
+    makes sampling reproducible: every random draw is a function of the seed and the token's
+    position (specdec.sampling.random), so batching never changes what a seeded request gets.
+    Unseeded requests get a random seed when they are admitted.
     """
 
     max_new_tokens: int = 64
@@ -46,8 +48,8 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0 (1.0 disables it), got {self.repetition_penalty!r}"
             )
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

@@ -86,6 +86,7 @@ class VerifyOutcome:
     req_id: str
     num_accepted: int  # how many draft tokens were kept
     tokens: list[int]  # committed this round: the kept draft tokens + one correction/bonus token
+    error: str = ""  # non-empty: the proposal was rejected unverified (tokens empty), and why
 
 
 @dataclass
@@ -105,6 +106,7 @@ class TargetInfo:
     kv_block_size: int
     kv_blocks_total: int
     model_name: str = ""
+    num_parameters: int = 0  # the target's, to price a draft step before anything is measured
 
 
 @dataclass

@@ -243,21 +243,16 @@ def verify_task_from_proto(msg: worker_pb2.VerifyTask) -> VerifyTask:
 
 
 def verify_result_to_proto(r: VerifyResult) -> worker_pb2.VerifyResult:
-    return worker_pb2.VerifyResult(
-        outcomes=[worker_pb2.VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=o.tokens)
-                  for o in r.outcomes],
-        kv_blocks_used=r.kv_blocks_used,
-        kv_blocks_total=r.kv_blocks_total,
-    )
+    outcomes = [worker_pb2.VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=o.tokens, error=o.error)
+                for o in r.outcomes]
+    return worker_pb2.VerifyResult(outcomes=outcomes, kv_blocks_used=r.kv_blocks_used,
+                                   kv_blocks_total=r.kv_blocks_total)
 
 
 def verify_result_from_proto(msg: worker_pb2.VerifyResult) -> VerifyResult:
-    return VerifyResult(
-        outcomes=[VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=list(o.tokens))
-                  for o in msg.outcomes],
-        kv_blocks_used=msg.kv_blocks_used,
-        kv_blocks_total=msg.kv_blocks_total,
-    )
+    outcomes = [VerifyOutcome(req_id=o.req_id, num_accepted=o.num_accepted, tokens=list(o.tokens), error=o.error)
+                for o in msg.outcomes]
+    return VerifyResult(outcomes=outcomes, kv_blocks_used=msg.kv_blocks_used, kv_blocks_total=msg.kv_blocks_total)
 
 
 def verify_round_to_proto(tasks: list[VerifyTask], finished: list[str]) -> worker_pb2.VerifyRoundRequest:
@@ -284,6 +279,7 @@ def target_info_to_proto(info: TargetInfo) -> worker_pb2.TargetInfo:
         kv_block_size=info.kv_block_size,
         kv_blocks_total=info.kv_blocks_total,
         model_name=info.model_name,
+        num_parameters=info.num_parameters,
     )
 
 
@@ -295,4 +291,5 @@ def target_info_from_proto(msg: worker_pb2.TargetInfo) -> TargetInfo:
         kv_block_size=msg.kv_block_size,
         kv_blocks_total=msg.kv_blocks_total,
         model_name=msg.model_name,
+        num_parameters=msg.num_parameters,
     )

@@ -2,8 +2,10 @@
 
 The target's cache holds every committed token except the last one. A round feeds
 [uncached committed tokens, t1..tk] (on the first round the whole prompt), scores all k+1
-positions at once, accepts/rejects with the request's own generator, and truncates the cache back
-to the committed tokens minus the new last one (whose K/V the next round computes).
+positions at once, accepts/rejects with the request's uniforms at those positions
+(specdec.sampling.random), and truncates the cache back to the committed tokens minus the new
+last one (whose K/V the next round computes). Proposals are checked first (proposal_check): one
+that cannot be verified fails its own request only.
 """
 from __future__ import annotations
 
@@ -16,25 +18,24 @@ from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import TargetInfo, VerifyOutcome, VerifyResult, VerifyTask
 from specdec.sampling import (
+    ACCEPT,
+    TARGET,
     BatchSamplingParams,
-    draw_uniforms,
-    make_generator,
     presence_for_positions,
     presence_mask,
     probs_from_logits,
+    random_seed,
     speculative_verify,
+    uniforms,
 )
-
-# A different stream than the draft's for the same seed: the accept tests must be independent of
-# the draft's own sampling noise.
-_TARGET_SEED_SALT = 0x5EED
+from target_worker.proposal_check import proposal_problem
 
 
 @dataclass
 class _TargetSequence:
     params: SamplingParams
-    generator: torch.Generator
-    tokens: list[int]
+    seed: int  # the request's, or a fresh one for a request sent without (then not reproducible)
+    tokens: list[int]  # committed: prompt + generated
 
 
 def greedy_accept(target_argmax: torch.Tensor, drafts: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -50,6 +51,20 @@ def greedy_accept(target_argmax: torch.Tensor, drafts: list[list[int]]) -> tuple
         accepted.append(a)
         next_tokens.append(row[a])
     return accepted, next_tokens
+
+
+def padded_proposals(tasks: list[VerifyTask], positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every task's sparse q in one [B, positions, n] pair (ids, probs); padding has probability 0
+    (greedy tasks, and positions beyond a task's draft, are all padding)."""
+    width = max([t.q.token_ids.shape[1] for t in tasks if t.q is not None and t.draft_tokens], default=1)
+    ids = torch.zeros(len(tasks), positions, width, dtype=torch.long)
+    probs = torch.zeros(len(tasks), positions, width)
+    for row, task in enumerate(tasks):
+        if task.q is not None and task.draft_tokens:
+            k, n = task.q.token_ids.shape
+            ids[row, :k, :n] = task.q.token_ids
+            probs[row, :k, :n] = task.q.probs
+    return ids.to(device), probs.to(device)
 
 
 def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
@@ -74,7 +89,8 @@ class TargetWorker:
         c = self.runner.model.config
         return TargetInfo(vocab_size=c.vocab_size, max_seq_len=c.max_position_embeddings,
                           eos_token_ids=list(c.eos_token_ids), kv_block_size=self.cache.block_size,
-                          kv_blocks_total=self.cache.allocator.num_blocks, model_name=self.model_name)
+                          kv_blocks_total=self.cache.allocator.num_blocks, model_name=self.model_name,
+                          num_parameters=self.runner.model.num_parameters)
 
     def release(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -89,22 +105,19 @@ class TargetWorker:
         if seq is not None and task.new_tokens:
             raise ValueError(f"request {task.req_id}: only the first round may carry new tokens")
         vocab = self.runner.vocab_size
-        bad = [t for t in task.new_tokens + task.draft_tokens if not 0 <= t < vocab]
+        bad = [t for t in task.new_tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {task.req_id}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         length = (len(seq.tokens) if seq else 0) + len(task.new_tokens)
         if length + len(task.draft_tokens) + 1 > self.runner.max_seq_len:
             raise ValueError(f"request {task.req_id}: {length} tokens + {len(task.draft_tokens)} draft "
                              f"tokens exceed the target's context of {self.runner.max_seq_len}")
-        if not task.params.greedy and task.draft_tokens and (
-                task.q is None or task.q.num_positions != len(task.draft_tokens)):
-            raise ValueError(f"request {task.req_id}: a sampled request needs q for each of its draft tokens")
 
     def _admit(self, task: VerifyTask) -> _TargetSequence:
         seq = self._seqs.get(task.req_id)
         if seq is None:
-            seed = None if task.params.seed is None else task.params.seed ^ _TARGET_SEED_SALT
-            seq = _TargetSequence(params=task.params, generator=make_generator(seed), tokens=[])
+            seed = random_seed() if task.params.seed is None else task.params.seed
+            seq = _TargetSequence(params=task.params, seed=seed, tokens=[])
             self._seqs[task.req_id] = seq
             self.cache.add_sequence(task.req_id)
         seq.tokens.extend(task.new_tokens)
@@ -116,6 +129,13 @@ class TargetWorker:
             return self._result([])
         for task in tasks:
             self._check(task)
+        refused = {t.req_id: why for t in tasks if (why := proposal_problem(t, self.runner.vocab_size))}
+        if refused:
+            verified = self.verify([t for t in tasks if t.req_id not in refused], [])
+            by_id = {o.req_id: o for o in verified.outcomes}
+            by_id.update({r: VerifyOutcome(req_id=r, num_accepted=0, tokens=[], error=why)
+                          for r, why in refused.items()})
+            return self._result([by_id[t.req_id] for t in tasks])
         seqs = [self._admit(t) for t in tasks]
         ids = [t.req_id for t in tasks]
         cached = [self.cache.length(r) for r in ids]
@@ -153,19 +173,14 @@ class TargetWorker:
             presence = presence_for_positions(base, draft, torch.tensor(num_proposed)).flatten(0, 1)
         batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
         p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
-        q = torch.zeros(len(seqs), k_max, vocab, device=device)
-        for row, task in enumerate(tasks):
-            if task.q is not None and task.draft_tokens:
-                q[row, :len(task.draft_tokens)] = task.q.to_dense(vocab).to(device)
-        # Each request draws exactly num_proposed + 1 uniforms from its own generator, so a seeded
-        # request's randomness does not depend on what else shares the batch.
-        u_accept = torch.zeros(len(seqs), k_max)
-        u_resample = torch.zeros(len(seqs))
-        for row, (seq, k) in enumerate(zip(seqs, num_proposed)):
-            if not seq.params.greedy:
-                u = draw_uniforms([seq.generator], k + 1)[0]
-                u_accept[row, :k] = u[:k]
-                u_resample[row] = u[k]
+        q_ids, q_probs = padded_proposals(tasks, k_max, device)
+        # The uniforms of a draft position are a function of the request's seed and the absolute
+        # position only: what shares the batch, or how many tokens were proposed, changes nothing.
+        seeds = [s.seed for s in seqs]
+        positions = [[len(s.tokens) + i for i in range(k_max + 1)] for s in seqs]
+        u_accept = uniforms(seeds, positions, ACCEPT)[:, :k_max]
+        u_target = uniforms(seeds, positions, TARGET)
         greedy = torch.tensor([x.greedy for x in params])
-        accepted, nxt = speculative_verify(p, q, draft, torch.tensor(num_proposed), greedy, u_accept, u_resample)
+        accepted, nxt = speculative_verify(p, q_ids, q_probs, draft, torch.tensor(num_proposed), greedy, u_accept,
+                                           u_target)
         return accepted.tolist(), nxt.tolist()

@@ -49,3 +49,54 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+class JumpingK:
+    """A stand-in speculation policy whose K jumps between 0 and each request's cap from round to
+    round (a deterministic function of the request id and its round number): the harshest case
+    for exactness, since every round decides its tokens with a different K. Seeded requests get
+    the same K sequence wherever they run, as the real policy guarantees."""
+
+    def __init__(self, salt: int = 0):
+        self.salt = salt
+        self.rounds: dict[str, int] = {}
+        self.chosen: list[int] = []
+
+    def choose(self, requests) -> list[int]:
+        ks = []
+        for r in requests:
+            n = self.rounds.get(r.req_id, 0)
+            self.rounds[r.req_id] = n + 1
+            h = (sum(map(ord, r.req_id)) * 7919 + n * 104729 + self.salt) % 1000003
+            ks.append(0 if h % 3 == 0 else h % (r.cap + 1))
+        self.chosen += ks
+        return ks
+
+    def observe(self, report, greedy) -> None:
+        pass
+
+    def forget(self, req_id: str) -> None:
+        self.rounds.pop(req_id, None)
+
+
+def cheap_drafting_policy():
+    """The real speculation policy on a cost model where drafting is cheap, so that it does
+    speculate with tiny test models (whose measured draft and target steps cost about the same)
+    and moves K with each request's acceptance."""
+    from coordinator.round_costs import RoundCosts
+    from coordinator.speculation_policy import SpeculationPolicy
+
+    costs = RoundCosts(batch_sizes=[1, 64], verify_tokens=[1, 9], verify_grid=[[1.0, 1.4], [2.0, 2.8]],
+                       draft_step=[0.05, 0.1])
+    return SpeculationPolicy(costs, reference_draft_cost=0.05)
+
+
+def use_policy(engine, policy: str):
+    """"fixed": always the cap; "jumping": JumpingK; "adaptive": the real policy, drafting cheap."""
+    if policy == "jumping":
+        engine.scheduler.policy = JumpingK()
+    elif policy == "adaptive":
+        engine.scheduler.policy = cheap_drafting_policy()
+    elif policy != "fixed":
+        raise ValueError(policy)
+    return engine

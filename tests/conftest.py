@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Measured round costs are cached per checkpoint; keep the tests' in a directory of their own.
+os.environ.setdefault("SPECDEC_CACHE_DIR", tempfile.mkdtemp(prefix="specdec-test-cache-"))
 # Two cores: one intra-op thread per test process keeps timings stable and avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 

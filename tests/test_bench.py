@@ -1,4 +1,4 @@
-"""`specdec bench` end to end on tiny random checkpoints, plus the formula and ratio math."""
+"""`specdec bench` end to end on tiny random checkpoints, plus the formula, ratio and target math."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from specdec.app.bench.report import annotate, evaluate_targets
+from specdec.app.bench.report import TARGETS, annotate, evaluate_targets
 from specdec.app.bench.runners import RunResult, left_pad
-from specdec.app.bench.theory import expected_tokens_per_round, theoretical_speedup
+from specdec.app.bench.theory import best_fixed_k_speedup, expected_tokens_per_round, theoretical_speedup
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
 
@@ -26,31 +26,120 @@ def test_theoretical_speedup_formula():
         theoretical_speedup(1.5, 3, 0.1)
 
 
-def test_ratios_and_targets():
-    def row(system, tps, batch=1, mode="greedy", k=None, acc=None):
-        return RunResult(system=system, label=system, batch=batch, mode=mode, k=k, prompts=8, tokens=100,
-                         seconds=100 / tps, tokens_per_s=tps, acceptance_rate=acc, target_forward_passes=50)
+def test_best_fixed_k_speedup():
+    # Costly drafting: the best K is inside 1..5, not the cap.
+    a, c = 0.7, 0.3
+    by_k = {k: theoretical_speedup(a, k, c) for k in range(1, 6)}
+    best_k = max(by_k, key=by_k.get)
+    assert 1 < best_k < 5
+    assert best_fixed_k_speedup(a, 5, c) == (pytest.approx(by_k[best_k]), best_k)
+    assert best_fixed_k_speedup(0.9, 5, 0.0) == (pytest.approx(theoretical_speedup(0.9, 5, 0.0)), 5)  # free drafts
+    assert best_fixed_k_speedup(0.0, 5, 0.1) == (pytest.approx(1 / 1.1), 1)  # all bad: the cheapest K >= 1
+    with pytest.raises(ValueError):
+        best_fixed_k_speedup(0.5, 0, 0.1)
 
-    rows = [row("engine", 100.0), row("spec-draft", 180.0, k=5, acc=0.7), row("spec-ngram", 120.0, k=5, acc=0.3),
-            row("hf", 40.0), row("hf-assisted", 100.0, k=5), row("engine", 300.0, batch=8), row("hf", 150.0, batch=8)]
-    rows[2].draft_seconds = 0.0
-    costs = {"by_batch": {"1": {"target_step_s": 0.01, "c": 0.1}, "8": {"target_step_s": 0.02, "c": 0.2}}}
-    annotate(rows, costs)
-    spec = rows[1]
+
+def _row(system, tps, prompt_set="code", batch=1, mode="greedy", k=None, acc=None, alpha=None):
+    return RunResult(system=system, label=system, batch=batch, mode=mode, k=k, prompt_set=prompt_set, prompts=8,
+                     tokens=100, seconds=100 / tps, tokens_per_s=tps, acceptance_rate=acc, alpha=alpha,
+                     target_forward_passes=50)
+
+
+def test_ratios_and_theory():
+    rows = [_row("engine", 100.0), _row("spec-draft", 180.0, k=5, acc=0.6, alpha=0.7),
+            _row("spec-draft-fixed", 170.0, k=5, acc=0.6, alpha=0.7), _row("spec-ngram", 120.0, k=5, acc=0.3),
+            _row("spec-ngram-fixed", 110.0, k=5, acc=0.3), _row("hf", 40.0), _row("hf-assisted", 100.0, k=5),
+            _row("engine", 300.0, batch=8), _row("hf", 150.0, batch=8),
+            # The same systems on another prompt set, at other speeds: ratios must not cross sets.
+            _row("engine", 50.0, "prose"), _row("spec-draft", 60.0, "prose", k=5, acc=0.3, alpha=0.4),
+            _row("hf", 25.0, "prose"), _row("hf-assisted", 40.0, "prose", k=5)]
+    rows[3].draft_seconds = rows[4].draft_seconds = 0.0
+    costs = {"by_batch": {"1": {"target_step_s": 0.01, "c": 0.3, "verify_tokens": 6, "verify_pass_over_step": 1.5},
+                          "8": {"target_step_s": 0.02, "c": 0.2}}}
+    annotate(rows, {"code": costs, "prose": costs})
+    spec, fixed = rows[1], rows[2]
     assert spec.vs_engine_plain == pytest.approx(1.8)
     assert spec.vs_hf_plain == pytest.approx(4.5)
     assert spec.vs_hf_assisted == pytest.approx(1.8)
-    assert spec.cost_ratio_c == 0.1
-    assert spec.theoretical_speedup == pytest.approx(theoretical_speedup(0.7, 5, 0.1))
-    assert rows[2].cost_ratio_c == 0.0
-    assert rows[2].theoretical_speedup == pytest.approx(expected_tokens_per_round(0.3, 5))
+    assert fixed.vs_hf_assisted == pytest.approx(1.7)
+    assert spec.cost_ratio_c == fixed.cost_ratio_c == 0.3
+    # Fixed K: the formula at K. Adaptive: the best fixed K under the cap (here not the cap).
+    assert fixed.theoretical_speedup == pytest.approx(theoretical_speedup(0.7, 5, 0.3)) and fixed.theory_k == 5
+    best, best_k = best_fixed_k_speedup(0.7, 5, 0.3)
+    assert best_k < 5 and best > fixed.theoretical_speedup
+    assert spec.theoretical_speedup == pytest.approx(best) and spec.theory_k == best_k
+    assert spec.share_of_theory == pytest.approx(1.8 / best)
+    assert fixed.share_of_theory == pytest.approx(1.7 / theoretical_speedup(0.7, 5, 0.3))
+    # The verify pass was measured with K + 1 tokens: priced in for the row whose theory is at K only.
+    assert fixed.theoretical_speedup_with_verify_cost == pytest.approx(
+        expected_tokens_per_round(0.7, 5) / (5 * 0.3 + 1.5))
+    assert spec.theoretical_speedup_with_verify_cost is None
+    assert rows[3].cost_ratio_c == 0.0  # the n-gram drafter's c comes from its own lookup time
+    assert rows[3].theoretical_speedup == pytest.approx(expected_tokens_per_round(0.3, 5))
     assert rows[0].vs_hf_plain == pytest.approx(2.5)
-    assert rows[5].vs_hf_plain == pytest.approx(2.0)  # batch 8 compares with batch 8
-    status = {t["target"]: (t["status"], t["measured"]) for t in evaluate_targets(rows)}
-    assert status["draft acceptance >= 0.6"] == ("PASS", 0.7)
-    assert status["spec >= 1.6x plain"][0] == "PASS"
-    assert status["plain >= 2x HF"][0] == "PASS"
-    assert status["spec >= 1.5x HF assisted"][0] == "PASS"
+    assert rows[7].vs_hf_plain == pytest.approx(2.0)  # batch 8 compares with batch 8
+    prose_spec = rows[10]
+    assert prose_spec.vs_engine_plain == pytest.approx(1.2)  # prose plain (50), not code plain (100)
+    assert prose_spec.vs_hf_plain == pytest.approx(2.4) and prose_spec.vs_hf_assisted == pytest.approx(1.5)
+    assert rows[9].vs_hf_plain == pytest.approx(2.0)
+
+
+def test_targets():
+    def grid(draft_code: dict, prose: dict, plain_over_hf: float) -> list[RunResult]:
+        """specdec plain at 100 tok/s everywhere; HF at 100 / plain_over_hf; spec-draft on code at
+        draft_code[(batch, mode)] x plain; adaptive draft and n-gram on prose at prose[...] x plain."""
+        rows = []
+        for prompt_set in ("code", "prose"):
+            for batch in (1, 8):
+                for mode in ("greedy", "T=0.8"):
+                    rows += [_row("engine", 100.0, prompt_set, batch, mode),
+                             _row("hf", 100.0 / plain_over_hf, prompt_set, batch, mode)]
+                    if prompt_set == "code":
+                        rows.append(_row("spec-draft", 100.0 * draft_code[batch, mode], prompt_set, batch, mode,
+                                         k=5, acc=0.7, alpha=0.8))
+                    else:
+                        rows += [_row(s, 100.0 * prose[s, batch, mode], prompt_set, batch, mode, k=5, acc=0.5,
+                                      alpha=0.6) for s in ("spec-draft", "spec-ngram")]
+        return rows
+
+    # c = 0 makes the best fixed K the cap: theory = E(0.8, 5) = 3.69; 3.2x is 87% of it.
+    costs = {"by_batch": {b: {"target_step_s": 0.01, "c": 0.0} for b in ("1", "8")}}
+    good_code = {(1, "greedy"): 3.2, (1, "T=0.8"): 1.3, (8, "greedy"): 1.35, (8, "T=0.8"): 1.1}
+    good_prose = {(s, b, m): 1.0 for s in ("spec-draft", "spec-ngram") for b in (1, 8) for m in ("greedy", "T=0.8")}
+    rows = grid(good_code, good_prose, plain_over_hf=1.1)
+    annotate(rows, {"code": costs, "prose": costs})
+    targets = evaluate_targets(rows)
+    assert [t["target"] for t in targets] == [t.name for t in TARGETS]
+    assert [t["status"] for t in targets] == ["PASS"] * len(TARGETS)
+    by_name = {t["target"]: t for t in targets}
+    assert by_name["code: draft >= 85% of theory, b1 greedy"]["measured"] == pytest.approx(
+        3.2 / expected_tokens_per_round(0.8, 5))
+
+    # One slow prose row, one code row under its bar, HF faster than plain in one place, theory missed.
+    bad_code = {**good_code, (8, "T=0.8"): 1.0, (1, "greedy"): 2.0}
+    bad_prose = {**good_prose, ("spec-ngram", 8, "T=0.8"): 0.9}
+    rows = grid(bad_code, bad_prose, plain_over_hf=1.1)
+    next(r for r in rows if r.system == "hf" and r.prompt_set == "prose" and r.batch == 1).tokens_per_s = 125.0
+    annotate(rows, {"code": costs, "prose": costs})
+    by_name = {t["target"]: t for t in evaluate_targets(rows)}
+    status = {name: t["status"] for name, t in by_name.items()}
+    assert status == {"code: draft >= 1.6x plain, b1 greedy": "PASS", "code: draft >= 1.25x plain, b1 T=0.8": "PASS",
+                      "code: draft >= 1.3x plain, b8 greedy": "PASS", "code: draft >= 1.05x plain, b8 T=0.8": "MISS",
+                      "code: draft >= 85% of theory, b1 greedy": "MISS",
+                      "prose: spec >= 0.98x plain, worst row": "MISS", "plain >= 1.0x HF, worst row": "MISS"}
+    prose = by_name["prose: spec >= 0.98x plain, worst row"]
+    assert prose["measured"] == pytest.approx(0.9) and prose["rows"] == 8
+    assert prose["worst_row"] == "spec-ngram, prose prompts, batch 8, T=0.8"
+    assert by_name["plain >= 1.0x HF, worst row"]["measured"] == pytest.approx(0.8)
+    assert by_name["plain >= 1.0x HF, worst row"]["rows"] == 8
+
+    # Rows that are not there: n/a (a run at batch sizes 1,2 has no batch-8 targets; no prose set).
+    rows = [r for r in grid(good_code, good_prose, 1.1) if r.batch == 1 and r.prompt_set == "code"]
+    annotate(rows, {"code": costs})
+    status = {t["target"]: t["status"] for t in evaluate_targets(rows)}
+    assert status["code: draft >= 1.3x plain, b8 greedy"] == "n/a"
+    assert status["prose: spec >= 0.98x plain, worst row"] == "n/a"
+    assert status["plain >= 1.0x HF, worst row"] == "PASS"
 
 
 def test_left_pad():
@@ -65,40 +154,77 @@ def test_bench_end_to_end(tmp_path, capsys):
     target = build_checkpoint(tmp_path / "target", seed=0, **CONFIGS["gqa_untied"])
     draft = perturbed_copy(target, tmp_path / "draft", noise=0.05)
     rng = random.Random(0)
-    prompts = tmp_path / "prompts.jsonl"
+    # Named code.jsonl: a --prompts file's set is its stem, so the code targets apply to it.
+    prompts = tmp_path / "code.jsonl"
     with prompts.open("w") as f:
         for _ in range(4):
             f.write(json.dumps({"prompt_ids": [rng.randrange(300) for _ in range(6)] * 2}) + "\n")
     out = tmp_path / "out"
+    k, max_new = 5, 12  # 12 tokens: room for the adaptive policy to probe after its rounds at K = 0
     rc = main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--quick",
-               "--max-new-tokens", "6", "--threads", "1", "--cost-steps", "3", "--sweep-k", "1,2",
+               "--max-new-tokens", str(max_new), "--threads", "1", "--cost-steps", "3", "--sweep-k", "1,2",
                "--out", str(out), "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "targets (batch 1, greedy)" in printed and "theory x" in printed
+    assert "targets (" in printed and "theory x" in printed and "% theory" in printed and "mean K" in printed
+    assert "load average (1, 5, 15 min)" in printed
     data = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 1000
-    assert {"command", "environment", "config", "cost", "results", "sweep", "targets"} <= set(data)
+    assert {"command", "environment", "config", "cost", "cost_by_prompt_set", "results", "sweep",
+            "targets"} <= set(data)
     assert data["environment"]["torch_threads"] == 1 and data["environment"]["parameters"]["target"] > 0
+    assert data["environment"]["load_average_at_end"] is not None
+    assert list(data["config"]["prompt_sets"]) == ["code"] and list(data["cost_by_prompt_set"]) == ["code"]
     rows = {(r["system"], r["batch"], r["mode"]): r for r in data["results"]}
-    assert len(rows) == 5 * 2 * 2  # systems x batch sizes (1, 2) x modes (greedy, T=0.8)
+    systems = ["engine", "spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed", "hf", "hf-assisted"]
+    assert len(data["results"]) == len(rows) == len(systems) * 2 * 2  # x batch sizes (1, 2) x modes
+    assert {r["prompt_set"] for r in data["results"]} == {"code"}
     assert rows[("hf-assisted", 2, "greedy")]["skipped"]  # HF assisted: batch 1 only
     for key, r in rows.items():
         if r["skipped"]:
             continue
-        assert r["tokens"] == 2 * 6, key  # every system generates exactly max_new_tokens per prompt
+        assert r["tokens"] == 2 * max_new, key  # every system generates exactly max_new_tokens per prompt
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
         plain = rows[("engine", key[1], key[2])]
         assert r["vs_engine_plain"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
         hf = rows[("hf", key[1], key[2])]
         assert r["vs_hf_plain"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
-    for batch in (1, 2):  # lossless: greedy speculative output is the target's greedy output
-        assert rows[("spec-draft", batch, "greedy")]["same_output_as_plain"] == 1.0
-        assert rows[("spec-ngram", batch, "greedy")]["same_output_as_plain"] == 1.0
-    spec = rows[("spec-draft", 1, "greedy")]
-    assert 0.0 <= spec["acceptance_rate"] <= spec["alpha"] <= 1.0  # untested tokens only lower accepted/proposed
-    assert spec["theoretical_speedup"] == pytest.approx(
-        theoretical_speedup(spec["alpha"], 5, data["cost"]["by_batch"]["1"]["c"]))
-    assert sorted((r["system"], r["k"]) for r in data["sweep"]) == [
-        ("spec-draft", 1), ("spec-draft", 2), ("spec-ngram", 1), ("spec-ngram", 2)]
-    assert [t["status"] in ("PASS", "MISS") for t in data["targets"]] == [True] * 4
+    for system in ("spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed"):
+        for batch in (1, 2):
+            # Lossless: greedy speculative output is the target's greedy output, K fixed or chosen.
+            assert rows[(system, batch, "greedy")]["same_output_as_plain"] == 1.0, (system, batch)
+            for mode in ("greedy", "T=0.8"):
+                r = rows[(system, batch, mode)]
+                assert r["adaptive"] is (not system.endswith("-fixed")) and r["k"] == k
+                histogram = {int(key): n for key, n in r["k_histogram"].items()}
+                assert set(histogram) <= set(range(k + 1))
+                assert sum(histogram.values()) == r["target_forward_passes"]  # one K per request per round
+                assert r["mean_k"] == pytest.approx(sum(n * c for n, c in histogram.items())
+                                                    / sum(histogram.values()))
+                if not r["adaptive"]:
+                    # Always K, except where max_new_tokens caps it: at most K rounds per request.
+                    assert histogram[k] > 0
+                    assert sum(n for kk, n in histogram.items() if kk < k) <= r["prompts"] * k
+    for r in data["results"]:
+        if r["system"] in ("engine", "hf", "hf-assisted"):
+            assert r["k_histogram"] is None and r["mean_k"] is None
+    fixed = rows[("spec-draft-fixed", 1, "greedy")]
+    assert 0.0 <= fixed["acceptance_rate"] <= fixed["alpha"] <= 1.0  # untested tokens only lower accepted/proposed
+    assert fixed["theoretical_speedup"] == pytest.approx(
+        theoretical_speedup(fixed["alpha"], k, data["cost"]["by_batch"]["1"]["c"]))
+    assert fixed["share_of_theory"] == pytest.approx(fixed["vs_engine_plain"] / fixed["theoretical_speedup"])
+    adaptive = rows[("spec-draft", 1, "greedy")]
+    if adaptive["alpha"] is not None:  # it drafted at least once
+        assert adaptive["theoretical_speedup"] == pytest.approx(
+            best_fixed_k_speedup(adaptive["alpha"], k, data["cost"]["by_batch"]["1"]["c"])[0])
+    assert sorted((r["system"], r["k"]) for r in data["sweep"]) == sorted(
+        (s, sk) for s in ("spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed") for sk in (1, 2))
+    assert {r["prompt_set"] for r in data["sweep"]} == {"code"}
+    targets = {t["target"]: t["status"] for t in data["targets"]}
+    assert list(targets) == [t.name for t in TARGETS]
+    assert set(targets.values()) <= {"PASS", "MISS", "n/a"}
+    # Measured here: the batch-1 code targets and plain vs HF; not: batch 8, prose.
+    for name in ("code: draft >= 1.6x plain, b1 greedy", "code: draft >= 1.25x plain, b1 T=0.8",
+                 "plain >= 1.0x HF, worst row"):
+        assert targets[name] in ("PASS", "MISS"), name
+    assert targets["code: draft >= 1.3x plain, b8 greedy"] == targets["prose: spec >= 0.98x plain, worst row"] == "n/a"

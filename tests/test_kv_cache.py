@@ -21,6 +21,8 @@ from specdec.model.runner import ModelRunner
 from specdec.round_types import SparseDist, VerifyTask
 from target_worker.worker import TargetWorker
 
+from checkpoints import JumpingK
+
 VOCAB = 96
 
 
@@ -109,15 +111,15 @@ def _cache(num_blocks=8, block_size=4) -> PagedKVCache:
 def test_append_slots_math_and_block_growth():
     c = _cache()
     c.add_sequence("a")
-    assert c.append_slots("a", 3).tolist() == [0, 1, 2]
+    assert c.append_slots("a", 3) == [0, 1, 2]
     assert c.block_table("a") == [0]
     c.add_sequence("b")
-    assert c.append_slots("b", 2).tolist() == [4, 5]  # block 1
+    assert c.append_slots("b", 2) == [4, 5]  # block 1
     # a grows across a block boundary: rest of block 0, then a new block (2)
-    assert c.append_slots("a", 3).tolist() == [3, 8, 9]
+    assert c.append_slots("a", 3) == [3, 8, 9]
     assert c.block_table("a") == [0, 2]
     assert c.length("a") == 6 and c.length("b") == 2
-    assert c.append_slots("a", 0).tolist() == []
+    assert c.append_slots("a", 0) == []
     c.check_accounting()
 
 
@@ -134,7 +136,7 @@ def test_truncate_frees_trailing_blocks_and_keeps_partial_block():
     c.truncate_to("a", 4)
     assert c.block_table("a") == [0]
     # re-growing overwrites the freed slots (positions 4.. go to a fresh block)
-    slots = c.append_slots("a", 2).tolist()
+    slots = c.append_slots("a", 2)
     assert c.length("a") == 6 and len(c.block_table("a")) == 2
     assert slots == [c.block_table("a")[1] * 4 + 0, c.block_table("a")[1] * 4 + 1]
     c.truncate_to("a", 0)
@@ -248,7 +250,7 @@ def test_random_cache_operations_keep_accounting(ops):
             lengths[sid], slots[sid] = 0, []
         elif op == "append" and sid in lengths:
             try:
-                new = c.append_slots(sid, n).tolist()
+                new = c.append_slots(sid, n)
             except KVCacheFull:
                 assert c.blocks_needed(lengths[sid] + n) - len(c.block_table(sid)) > c.allocator.num_free
                 continue
@@ -324,12 +326,11 @@ def test_target_rejects_malformed_task_without_state_change(checkpoints):
     greedy = SamplingParams(max_new_tokens=10)
     worker.verify([VerifyTask("a", [1, 2, 3], [], None, greedy)], [])
     before = _snapshot(worker.cache)
-    bad_tasks = [
-        VerifyTask("a", [], [VOCAB], None, greedy),  # draft token outside the vocabulary
+    bad_tasks = [  # what only a coordinator bug can send: the whole round is refused
         VerifyTask("a", [4], [], None, greedy),  # new tokens after the first round
         VerifyTask("z", [], [1], None, greedy),  # first round without a prompt
         VerifyTask("a", [], list(range(130)), None, greedy),  # beyond the context
-        VerifyTask("a", [], [1, 2], None, SamplingParams(temperature=1.0)),  # sampled without q
+        VerifyTask("y", [VOCAB], [], None, greedy),  # a prompt token outside the vocabulary
     ]
     for bad in bad_tasks:
         with pytest.raises(ValueError):
@@ -338,6 +339,40 @@ def test_target_rejects_malformed_task_without_state_change(checkpoints):
         assert _snapshot(worker.cache) == before
         assert "fresh" not in worker._seqs
     worker.release(["a"])
+    assert worker.cache.allocator.num_used == 0
+
+
+def _q(rows: list[dict[int, float]]) -> SparseDist:
+    width = max(len(r) for r in rows)
+    ids = [list(r) + [0] * (width - len(r)) for r in rows]
+    probs = [list(r.values()) + [0.0] * (width - len(r)) for r in rows]
+    return SparseDist(token_ids=torch.tensor(ids), probs=torch.tensor(probs))
+
+
+@pytest.mark.parametrize("draft,q,reason", [
+    ([VOCAB], None, "outside the vocabulary"),  # a draft token the model does not have
+    ([5, 6], None, "needs q for each of its 2 draft tokens"),
+    ([5, 6], _q([{5: 1.0}]), "needs q for each of its 2 draft tokens"),
+    ([5], _q([{6: 1.0}]), "probability 0 under the q"),  # q = 0 at the token: must not be accepted
+    ([5], _q([{5: 0.0, 6: 1.0}]), "probability 0 under the q"),
+    ([5], _q([{5: 0.7, 6: 0.7}]), "sum to 1"),
+    ([5], _q([{5: 1.5, 6: -0.5}]), "negative"),
+    ([5], _q([{5: float("nan")}]), "non-finite"),
+    ([5], _q([{5: 0.5, VOCAB + 3: 0.5}]), "outside the vocabulary"),
+])
+def test_an_untrustworthy_proposal_fails_its_own_request_only(checkpoints, draft, q, reason):
+    target_dir, _ = checkpoints
+    worker = TargetWorker.from_config(TargetConfig(model=str(target_dir), kv_cache_blocks=16, kv_block_size=4))
+    sampled = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    worker.verify([VerifyTask("bad", [1, 2, 3], [], None, sampled)], [])
+    before = _snapshot(worker.cache)
+    result = worker.verify([VerifyTask("good", [7, 8], [9], _q([{9: 1.0}]), sampled),
+                            VerifyTask("bad", [], draft, q, sampled)], [])
+    good, bad = result.outcomes
+    assert (good.req_id, good.error, len(good.tokens)) == ("good", "", good.num_accepted + 1)
+    assert bad.req_id == "bad" and reason in bad.error and bad.tokens == [] and bad.num_accepted == 0
+    assert worker.cache.length("bad") == before[1]["bad"]  # the refused request's cache is untouched
+    worker.release(["good", "bad"])
     assert worker.cache.allocator.num_used == 0
 
 
@@ -420,16 +455,18 @@ def test_target_verify_with_random_drafts_keeps_accounting(checkpoints, seed):
 
 # ---------------------------------------------------------------- churn through the scheduler
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_scheduler_churn_never_leaks_blocks(checkpoints, seed):
+@pytest.mark.parametrize("seed,policy", [(0, "fixed"), (1, "fixed"), (2, "jumping"), (3, "jumping")])
+def test_scheduler_churn_never_leaks_blocks(checkpoints, seed, policy):
     """Random arrivals, aborts, deadlines, greedy and sampled requests, per-request K, a small
     cache: after every round both caches account for every block exactly, and at the end every
     block is free. Greedy requests that ran to completion still match target-only decoding."""
     target_dir, draft_dir = checkpoints
     rng = random.Random(seed)
     engine = LocalEngine(target_dir, draft=draft_dir, num_speculative_tokens=4, max_batch_size=4,
-                         kv_cache_blocks=24, kv_block_size=4)
+                         kv_cache_blocks=24, kv_block_size=4, adaptive=False)
     sched = engine.scheduler
+    if policy == "jumping":  # K between 0 and the cap, changing every round
+        sched.policy = JumpingK(seed)
     tcache = engine.target_worker.cache
     dcache = engine.draft_worker.drafter.runner.cache
     requests: dict[str, Request] = {}

@@ -55,7 +55,8 @@ def deployment(ray_cluster, models):
 
     target, draft = models
     dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
-                                             host="127.0.0.1", port=0, name="specdec-test", worker_cpus=0.5))
+                                             adaptive=False, host="127.0.0.1", port=0, name="specdec-test",
+                                             worker_cpus=0.5))
     yield dep
     dep.drain_and_stop(grace_s=2)
 
@@ -79,7 +80,7 @@ def test_actors_serve_the_local_engine_tokens(deployment, models):
     assert deployment.draft_address.startswith("127.0.0.1:")
 
     tokens, last = generate(deployment.port, 40)
-    expected = LocalEngine(str(target), str(draft), num_speculative_tokens=4).generate(
+    expected = LocalEngine(str(target), str(draft), num_speculative_tokens=4, adaptive=False).generate(
         [PROMPT], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     assert tokens == expected.token_ids
     assert last.finish_reason == "length"

@@ -1,6 +1,8 @@
 """Logits transforms: agreement with Hugging Face's processors, presence masks, sparsification."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -17,7 +19,7 @@ from specdec.sampling import (
     presence_for_positions,
     presence_mask,
     probs_from_logits,
-    sparsify_probs,
+    top_entries,
 )
 
 
@@ -162,12 +164,26 @@ def test_penalty_with_positions_makes_draft_and_target_agree():
         torch.testing.assert_close(p_i, q_i)
 
 
-def test_sparsify_keeps_largest_and_renormalises():
+def test_top_entries_keep_the_largest_and_renormalise():
     probs = torch.softmax(torch.randn(6, 30, generator=torch.Generator().manual_seed(2)), -1)
-    sp = sparsify_probs(probs, 4)
-    torch.testing.assert_close(sp.sum(-1), torch.ones(6))
-    assert ((sp > 0).sum(-1) == 4).all()
-    top = probs.topk(4, -1).indices
-    assert torch.equal(sp.gather(1, top) > 0, torch.ones(6, 4, dtype=torch.bool))
-    torch.testing.assert_close(sp.gather(1, top), probs.gather(1, top) / probs.gather(1, top).sum(-1, keepdim=True))
-    torch.testing.assert_close(sparsify_probs(probs, 100), probs)
+    ids, vals = top_entries(probs, 4)
+    assert ids.shape == vals.shape == (6, 4)
+    torch.testing.assert_close(vals.sum(-1), torch.ones(6))
+    top = probs.topk(4, -1)
+    assert torch.equal(ids, top.indices)
+    torch.testing.assert_close(vals, top.values / top.values.sum(-1, keepdim=True))
+    every_id, every = top_entries(probs, 100)  # more entries than the vocabulary: all of them
+    assert torch.equal(every_id[0], torch.arange(30))
+    torch.testing.assert_close(every, probs)
+
+
+def test_disabled_transforms_are_skipped_but_give_the_same_distribution():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(9)) * 2
+    plain = [SamplingParams(temperature=0.7)] * 4
+    reference = BatchSamplingParams.from_params(plain)
+    forced = dataclasses.replace(reference, any_greedy=True, any_top_k=True, any_top_p=True)  # every path runs
+    torch.testing.assert_close(probs_from_logits(logits, reference), probs_from_logits(logits, forced))
+    only_k = BatchSamplingParams.from_params([SamplingParams(temperature=0.7, top_k=5)] * 4)
+    assert not only_k.any_top_p
+    torch.testing.assert_close(probs_from_logits(logits, only_k),
+                               probs_from_logits(logits, dataclasses.replace(only_k, any_top_p=True)))

@@ -54,7 +54,9 @@ def _draft_arg(draft, path):
 
 
 def _engine(path, draft=None, **kw) -> LocalEngine:
-    return LocalEngine(str(path), draft=_draft_arg(draft, path), **kw)
+    """K fixed unless a test asks otherwise: these tests pin the round mechanics, not the policy
+    (tests/test_speculation_policy.py does that)."""
+    return LocalEngine(str(path), draft=_draft_arg(draft, path), **{"adaptive": False, **kw})
 
 
 def _assert_caches_empty(engine: LocalEngine):
@@ -529,7 +531,7 @@ def test_worker_failure_ends_the_round_and_frees_everything(target_dir, referenc
     target = TargetWorker(ModelRunner(model, WorkerConfig(kv_cache_blocks=64, kv_block_size=4)))
     draft = DraftWorker.from_config(DraftConfig(model=NGRAM))
     flaky = FlakyTarget(target, fail_on_call=3)
-    sched = Scheduler(flaky, draft, None, SchedulerConfig(num_speculative_tokens=3))
+    sched = Scheduler(flaky, draft, None, SchedulerConfig(num_speculative_tokens=3, adaptive=False))
     sched.add_request(Request("a", PROMPTS[0], SamplingParams(max_new_tokens=10)))
     sched.add_request(Request("b", PROMPTS[3], SamplingParams(max_new_tokens=10)))
     reasons = {}
@@ -585,4 +587,43 @@ def test_request_id_can_be_reused_right_after_it_ends(target_dir, reference, dra
         sched.step()
     sched.add_request(Request("y", PROMPTS[3], SamplingParams(max_new_tokens=11)))
     assert run_to_end("y") == reference(PROMPTS[3], 11)
+    _assert_caches_empty(engine)
+
+
+class LyingDrafter:
+    """Wraps a draft worker; for request "evil" it claims q = 0 on the tokens it proposes, which
+    an unsuspecting verifier would accept whenever the target gives them any probability."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def info(self):
+        return self.inner.info()
+
+    def propose(self, tasks, finished):
+        proposals = self.inner.propose(tasks, finished)
+        for p in proposals:
+            if p.req_id == "evil" and p.tokens:
+                p.q.probs[:] = torch.where(p.q.token_ids == torch.tensor(p.tokens)[:, None], 0.0, p.q.probs)
+                p.q.probs[:] /= p.q.probs.sum(dim=1, keepdim=True).clamp_min(1e-9)
+        return proposals
+
+
+def test_a_drafter_that_lies_about_q_fails_only_its_own_request(target_dir):
+    engine = _engine(target_dir, "self", num_speculative_tokens=3)
+    sched = engine.scheduler
+    sched.draft = LyingDrafter(sched.draft)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, seed=4)
+    sched.add_request(Request("evil", PROMPTS[0], sampled))
+    sched.add_request(Request("fair", PROMPTS[1], sampled))
+    updates = {}
+    while sched.has_work():
+        for u in sched.step().updates:
+            updates.setdefault(u.req_id, []).append(u)
+    evil, fair = updates["evil"][-1], updates["fair"][-1]
+    assert evil.finish_reason == "error" and evil.error_kind == "internal"
+    assert "refused" in evil.error and "probability 0 under the q" in evil.error
+    assert fair.finish_reason == "length"
+    alone = _engine(target_dir, "self", num_speculative_tokens=3).generate([PROMPTS[1]], sampled)[0]
+    assert sum((u.token_ids for u in updates["fair"]), []) == alone.token_ids
     _assert_caches_empty(engine)

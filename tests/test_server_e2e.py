@@ -62,12 +62,12 @@ def models(tmp_path_factory):
 
 def service_config(models, draft="model", **settings) -> ServiceConfig:
     return ServiceConfig.from_settings(target=models.target, draft=models.draft if draft == "model" else draft,
-                                       num_speculative_tokens=K, **KV, **settings)
+                                       num_speculative_tokens=K, adaptive=False, **KV, **settings)
 
 
 @pytest.fixture(scope="module")
 def reference(models):
-    return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, **KV)
+    return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, adaptive=False, **KV)
 
 
 @pytest.fixture(scope="module")

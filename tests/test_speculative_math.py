@@ -9,15 +9,28 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specdec.sampling import (
-    draw_uniforms,
-    make_generator,
+    ACCEPT,
+    DRAFT,
+    TARGET,
     sample_from_probs,
-    sparsify_probs,
     speculative_step_distribution,
     speculative_verify,
+    top_entries,
+    uniforms,
 )
 
 P_MIN = 1e-3  # chi-square p-value threshold; seeds are fixed so the tests are deterministic
+
+
+def sparse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense q [..., V] as speculative_verify's (ids, probs): every token an entry."""
+    return torch.arange(q.shape[-1]).expand_as(q), q
+
+
+def sparsified(q: torch.Tensor, n: int) -> torch.Tensor:
+    """q keeping its n largest entries, renormalised, back in dense form."""
+    ids, vals = top_entries(q, n)
+    return torch.zeros_like(q).scatter_(-1, ids, vals)
 
 
 def dirichlet(shape, seed, alpha=1.0, dtype=torch.float64):
@@ -74,8 +87,8 @@ def run_sampled(p, q, B, seed, num_proposed=None):
              else torch.zeros(B, 0, dtype=torch.long))
     nd = torch.full((B,), K) if num_proposed is None else num_proposed
     n_acc, nxt = speculative_verify(
-        p.expand(B, -1, -1), q.expand(B, -1, -1), draft, nd, torch.zeros(B, dtype=torch.bool),
-        torch.rand(B, K, generator=g), torch.rand(B, generator=g),
+        p.expand(B, -1, -1), *sparse(q.expand(B, -1, -1)), draft, nd, torch.zeros(B, dtype=torch.bool),
+        torch.rand(B, K, generator=g, dtype=torch.float64), torch.rand(B, K + 1, generator=g, dtype=torch.float64),
     )
     return draft, n_acc, nxt
 
@@ -95,7 +108,7 @@ def test_monte_carlo_outputs_follow_p(q_kind):
     p /= p.sum(-1, keepdim=True)
     q = dirichlet((K, V), seed=2, alpha=0.7).float()
     if q_kind == "sparse":
-        q = sparsify_probs(q, 2)
+        q = sparsified(q, 2)
     elif q_kind == "one_hot":
         q = torch.nn.functional.one_hot(torch.tensor([4, 1, 2]), V).float()
     draft, n_acc, nxt = run_sampled(p, q, B, seed=3)
@@ -156,12 +169,12 @@ def test_greedy_rows():
     num_proposed = torch.tensor([3, 3, 3, 2])
     p = torch.stack([one_hot(t, V) for t in target])
     q = torch.zeros(4, K, V)  # greedy requests carry no q
-    n_acc, nxt = speculative_verify(p, q, draft, num_proposed, torch.ones(4, dtype=torch.bool), torch.rand(4, K),
-                                    torch.rand(4))
+    greedy = torch.ones(4, dtype=torch.bool)
+    n_acc, nxt = speculative_verify(p, *sparse(q), draft, num_proposed, greedy, torch.rand(4, K), torch.rand(4, K + 1))
     assert n_acc.tolist() == [3, 1, 0, 2]  # all + bonus, first rejected at 1, at 0, padding ignored
     assert nxt.tolist() == [4, 2, 5, 3]
-    n_acc, nxt = speculative_verify(p, q, draft, torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool),
-                                    torch.rand(4, K), torch.rand(4))
+    n_acc, nxt = speculative_verify(p, *sparse(q), draft, torch.zeros(4, dtype=torch.long), greedy,
+                                    torch.rand(4, K), torch.rand(4, K + 1))
     assert n_acc.tolist() == [0] * 4 and nxt.tolist() == [1, 1, 5, 1]  # num_proposed = 0: target's own token
 
 
@@ -179,8 +192,8 @@ def test_mixed_greedy_and_sampled_rows_with_garbage_padding():
     draft = torch.tensor([[2, -1, 99], [1, 2, -7], [4, 10**6, -1]])
     num_proposed = torch.tensor([1, 2, 1])
     greedy = torch.tensor([True, False, False])
-    n_acc, nxt = speculative_verify(p, q, draft, num_proposed, greedy, torch.full((3, K), 0.999),
-                                    torch.tensor([0.3, 0.3, 0.9]))
+    n_acc, nxt = speculative_verify(p, *sparse(q), draft, num_proposed, greedy, torch.full((3, K), 0.999),
+                                    torch.tensor([[0.3], [0.3], [0.9]]).expand(3, K + 1))
     assert n_acc.tolist() == [1, 2, 0]
     assert nxt.tolist() == [4, 5, 3]  # greedy bonus; sampled bonus from p_2; residual = p_0 here
 
@@ -194,8 +207,9 @@ def test_residual_all_zero_guard_falls_back_to_p():
     p = torch.stack([p_row, p_row], 0).expand(B, 2, V)
     g = torch.Generator().manual_seed(21)
     draft = torch.multinomial(q[0, 0], B, replacement=True, generator=g)[:, None]
-    n_acc, nxt = speculative_verify(p, q, draft, torch.ones(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool),
-                                    torch.full((B, 1), 0.9999), torch.rand(B, generator=g))
+    n_acc, nxt = speculative_verify(p, *sparse(q), draft, torch.ones(B, dtype=torch.long),
+                                    torch.zeros(B, dtype=torch.bool), torch.full((B, 1), 0.9999),
+                                    torch.rand(B, 2, generator=g))
     assert (n_acc == 0).all()
     counts = np.bincount(nxt.numpy(), minlength=V)
     assert counts[0] == 0 and counts[5] == 0
@@ -210,8 +224,8 @@ def test_accept_rule_exact_thresholds():
     q = torch.tensor([[[0.4, 0.6]]]).expand(4, 1, 2)
     draft = torch.tensor([[0], [0], [1], [1]])
     u = torch.tensor([[0.49], [0.51], [0.9999999], [0.0]])
-    n_acc, _ = speculative_verify(p, q, draft, torch.ones(4, dtype=torch.long), torch.zeros(4, dtype=torch.bool), u,
-                                  torch.rand(4))
+    n_acc, _ = speculative_verify(p, *sparse(q), draft, torch.ones(4, dtype=torch.long),
+                                  torch.zeros(4, dtype=torch.bool), u, torch.rand(4, 2))
     assert n_acc.tolist() == [1, 0, 1, 1]
 
 
@@ -244,11 +258,50 @@ def test_sample_from_probs_distribution_and_edges():
 
 # ---------------------------------------------------------------- per-request randomness
 
-def test_draw_uniforms_independent_of_batching():
-    solo = draw_uniforms([make_generator(123)], 5)
-    batch = draw_uniforms([make_generator(7), make_generator(123), make_generator(None)], 5)
-    assert batch.shape == (3, 5) and batch.dtype == torch.float32
-    assert torch.equal(solo[0], batch[1])
+def test_uniforms_are_a_function_of_seed_position_and_purpose_only():
+    seeds, positions = [123, 7, 2**64 - 1], [[5, 6, 7], [0, 1, 2], [9, 10, 11]]
+    batch = uniforms(seeds, positions, ACCEPT)
+    assert batch.shape == (3, 3) and batch.dtype == torch.float64
+    # Alone, in another batch, in another order, one position at a time: the same values.
+    assert torch.equal(uniforms([123], [[5, 6, 7]], ACCEPT)[0], batch[0])
+    assert torch.equal(uniforms([2**64 - 1, 123], [[11], [6]], ACCEPT).flatten(), batch[[2, 0], [2, 1]])
+    # Other purposes, seeds, positions: other values.
+    for purpose in (DRAFT, TARGET):
+        assert not torch.equal(uniforms(seeds, positions, purpose), batch)
+    assert not torch.equal(uniforms([124], [[5, 6, 7]], ACCEPT)[0], batch[0])
     assert ((batch >= 0) & (batch < 1)).all()
-    assert not torch.equal(draw_uniforms([make_generator(None)], 8), draw_uniforms([make_generator(None)], 8))
-    assert draw_uniforms([], 4).shape == (0, 4)
+
+
+def test_seeds_that_differ_only_in_the_top_bit_give_their_own_streams():
+    low, high = uniforms([5], [list(range(64))], TARGET), uniforms([5 | 1 << 63], [list(range(64))], TARGET)
+    assert not torch.isclose(low, high).any()
+    with pytest.raises(ValueError):
+        uniforms([1], [[-1]], TARGET)
+
+
+def test_uniforms_carry_53_bits_and_are_uniform():
+    u = uniforms(list(range(200)), np.tile(np.arange(1000), (200, 1)), DRAFT).flatten()
+    scaled = u * 2**53
+    assert torch.equal(scaled, scaled.floor())  # on the 2^-53 grid
+    assert (scaled % 2**29 != 0).float().mean() > 0.99  # the low bits are used, not a float32 in disguise
+    counts = np.histogram(u.numpy(), bins=50, range=(0, 1))[0]
+    assert chisquare(counts).pvalue > P_MIN
+    # Neighbouring positions and neighbouring seeds are not correlated.
+    grid = u.view(200, 1000)
+    for a, b in ((grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])):
+        assert abs(np.corrcoef(a.flatten().numpy(), b.flatten().numpy())[0, 1]) < 0.01
+
+
+def test_a_token_below_float32_resolution_is_sampled_at_its_rate():
+    """p(token 1) = 2^-30 < 2^-24. Uniforms conditioned on the top 2^-20 of [0, 1) select it with
+    probability 2^-10; on a float32 grid (spacing 2^-24 below 1) it could never be drawn."""
+    small = 2.0**-30
+    probs = torch.tensor([[1 - small, small]], dtype=torch.float64).expand(200_000, 2)
+    u = uniforms([11], [np.arange(200_000)], TARGET)[0]
+    top = 1 - 2.0**-20 * u  # the top 2^-20 of [0, 1), still on the 2^-53 grid
+    hits = int((sample_from_probs(probs, top) == 1).sum())
+    rate = 2.0**-10  # = small / 2^-20
+    expected, sd = 200_000 * rate, (200_000 * rate * (1 - rate)) ** 0.5
+    assert abs(hits - expected) < 5 * sd, (hits, expected)
+    as_float32 = top.float().double().clamp(max=1 - 2.0**-24)  # what float32 uniforms would give
+    assert int((sample_from_probs(probs, as_float32) == 1).sum()) == 0

@@ -87,7 +87,8 @@ def run_rounds(workers, params: SamplingParams | list[SamplingParams]) -> dict:
     target = GrpcTargetClient(workers[1])
     draft_log, target_log = Recording(draft), Recording(target)
     try:
-        sched = Scheduler(target, draft, None, SchedulerConfig(num_speculative_tokens=K, max_batch_size=SEQS))
+        sched = Scheduler(target, draft, None,
+                          SchedulerConfig(num_speculative_tokens=K, max_batch_size=SEQS, adaptive=False))
         for i, prompt in enumerate(PROMPTS):
             sched.add_request(Request(f"r{i}", prompt, dataclasses.replace(params[i], seed=i)))
         metrics = RoundMetrics(wire={"draft": draft.wire, "target": target.wire}, export=False)
@@ -103,7 +104,8 @@ def run_rounds(workers, params: SamplingParams | list[SamplingParams]) -> dict:
                 draft_rpcs=dw.rounds - before[0], target_rpcs=tw.rounds - before[1],
                 draft_bytes=dw.bytes_sent + dw.bytes_received - before[2],
                 target_bytes=tw.bytes_sent + tw.bytes_received - before[3],
-                seqs=report.batch_size, tokens=report.committed_tokens))
+                seqs=report.batch_size, tokens=report.committed_tokens,
+                drafting=any(u.num_speculative_tokens for u in report.updates)))
         draft_q = [(p.req_id, p.q) for _, reply in draft_log.messages
                    for p in worker_pb2.DraftRoundReply.FromString(reply).proposals if p.HasField("q")]
         verify_q = [(t.req_id, t.q) for request, _ in target_log.messages
@@ -131,7 +133,10 @@ def report(name: str, res: dict) -> None:
 def assert_two_rpcs_per_round(res: dict) -> None:
     assert res["rounds"], "no round ran"
     for r in res["rounds"]:
-        assert (r["draft_rpcs"], r["target_rpcs"]) == (1, 1), r
+        # One target call per round; one draft call when anyone drafts (near max_new_tokens
+        # every K is 0, and the round skips the draft worker unless releases are due).
+        assert r["target_rpcs"] == 1 and r["draft_rpcs"] <= 1, r
+        assert r["draft_rpcs"] == 1 or not r["drafting"], r
 
 
 def steady(res: dict) -> list[dict]:
@@ -191,7 +196,7 @@ def test_loadtest_grpc_workers_reports_wire_bytes(models, tmp_path):
     args = parser.parse_args(["--embedded", "--grpc-workers", "--target", models.target, "--draft", models.draft,
                               "-k", str(K), "--streams", "6", "--max-new-tokens", "16", "--cancel-fraction", "0",
                               "--temperature", "0.8", "--timeout", "120", "--json", str(out_json),
-                              "--no-progress", "--max-batch-size", "8"])
+                              "--no-progress", "--max-batch-size", "8", "--fixed-k"])
     out = io.StringIO()
     with redirect_stdout(out):
         rc = loadtest.run(args)
@@ -200,7 +205,7 @@ def test_loadtest_grpc_workers_reports_wire_bytes(models, tmp_path):
     assert "wire bytes per round" in out.getvalue() and "wire bytes per generated token" in out.getvalue()
     wire = json.loads(out_json.read_text())["wire"]
     assert wire["rounds"] > 0 and wire["generated_tokens"] == 6 * 16
-    assert wire["rpcs_per_worker"]["draft"] == wire["rpcs_per_worker"]["target"] >= wire["rounds"]
+    assert wire["rpcs_per_worker"]["draft"] <= wire["rpcs_per_worker"]["target"] >= wire["rounds"]
     assert wire["bytes_per_round"]["p99"] >= wire["bytes_per_round"]["mean"] > 0
     assert wire["draft_per_round"]["mean"] > 0 and wire["target_per_round"]["mean"] > 0
     # At least one token per sequence per round; q goes draft -> coordinator -> target.

@@ -9,12 +9,25 @@ of its gRPC clients (empty in process).
 """
 from __future__ import annotations
 
+from coordinator.clients import DraftClient, TargetClient
 from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient, WireCounter
 from coordinator.scheduler import Scheduler
 from draft_worker.worker import DraftWorker
+from specdec.app.cost_cache import load_costs, save_costs
 from specdec.config import ServiceConfig
 from specdec.tokenizer import load_tokenizer
 from target_worker.worker import TargetWorker
+
+
+def build_scheduler(config: ServiceConfig, target: TargetClient, draft: DraftClient | None,
+                    transport: str) -> Scheduler:
+    """A Scheduler on these workers; the adaptive policy's round costs come from the cache, or
+    are measured now and cached (per model pair, device and `transport`: "local" | "grpc")."""
+    costs = load_costs(config, transport)
+    scheduler = Scheduler(target, draft, load_tokenizer(config.target.model), config.scheduler, costs)
+    if costs is None and scheduler.policy is not None:
+        save_costs(config, transport, scheduler.policy.costs)
+    return scheduler
 
 
 class LocalSchedulerFactory:
@@ -31,8 +44,7 @@ class LocalSchedulerFactory:
     def __call__(self) -> Scheduler:
         self.target_worker = TargetWorker.from_config(self.config.target)
         self.draft_worker = DraftWorker.from_config(self.config.draft)
-        return Scheduler(self.target_worker, self.draft_worker, load_tokenizer(self.config.target.model),
-                         self.config.scheduler)
+        return build_scheduler(self.config, self.target_worker, self.draft_worker, "local")
 
     def close(self) -> None:
         pass
@@ -59,8 +71,7 @@ class GrpcSchedulerFactory:
         try:
             for client in self._clients():
                 client.wait_ready(self.connect_timeout_s)
-            return Scheduler(self.target_client, self.draft_client, load_tokenizer(self.config.target.model),
-                             self.config.scheduler)
+            return build_scheduler(self.config, self.target_client, self.draft_client, "grpc")
         except BaseException:
             self.close()
             raise

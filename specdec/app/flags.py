@@ -16,7 +16,7 @@ from specdec.config import REPO_ROOT, ServiceConfig, describe, parse_setting
 
 # Groups of `specdec serve` settings, in the order --help and the README list them.
 SERVE_SETTINGS = {
-    "models": ("target", "draft", "num_speculative_tokens", "device", "dtype", "max_batch_size",
+    "models": ("target", "draft", "num_speculative_tokens", "adaptive", "device", "dtype", "max_batch_size",
                "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "target_threads", "draft_threads",
                "max_q_entries", "ngram_max", "ngram_min", "ngram_window"),
     "network": ("host", "port", "tls_cert", "tls_key", "auth_token", "grace_period", "max_concurrent_rpcs"),
@@ -24,6 +24,8 @@ SERVE_SETTINGS = {
             "max_restarts", "worker_wait", "target_worker_port", "draft_worker_port"),
 }
 SHORT_FLAGS = {"num_speculative_tokens": "-k"}
+# Extra spellings of "no" for a boolean setting.
+NEGATIVE_FLAGS = {"adaptive": "--fixed-k"}
 
 
 def flag(name: str) -> str:
@@ -51,6 +53,9 @@ def add_settings(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name
         flags = [flag(name)] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if info.value_type is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            if name in NEGATIVE_FLAGS:
+                parser.add_argument(NEGATIVE_FLAGS[name], dest=name, action="store_false",
+                                    help=f"the same as --no-{flag(name)[2:]}")
         else:
             parser.add_argument(*flags, dest=name, type=info.value_type, default=None,
                                 metavar=name.upper(), help=help_text)
@@ -79,6 +84,7 @@ def settings_table(defaults_note: Mapping[str, str] | None = None) -> str:
     for name in all_serve_settings():
         info = describe(name)
         shown = [flag(name)] if info.value_type is not bool else [f"{flag(name)} / --no-{flag(name)[2:]}"]
+        shown += [f"/ {NEGATIVE_FLAGS[name]}"] if name in NEGATIVE_FLAGS else []
         default = (defaults_note or {}).get(name, format_default(info.default))
         rows.append(f"| `{' '.join(shown + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else []))}` "
                     f"| `{info.env_var}` | {default} | {info.help} |")

@@ -48,7 +48,8 @@ from specdec.app.flags import add_settings, given_settings
 from specdec.config import ConfigError, ServiceConfig
 
 # The settings of the embedded server this command can change (the rest keep their defaults).
-EMBEDDED_SETTINGS = ("target", "draft", "device", "dtype", "max_batch_size", "kv_cache_blocks", "kv_block_size")
+EMBEDDED_SETTINGS = ("target", "draft", "adaptive", "device", "dtype", "max_batch_size", "kv_cache_blocks",
+                     "kv_block_size")
 
 WORDS = ("the quick brown fox jumps over the lazy dog speculative decoding drafts tokens and the target "
          "verifies them hello world stream text back to client").split()

@@ -24,6 +24,8 @@ class ForwardBatch:
     is_token: torch.Tensor  # [B, Qmax] bool, False for padding
     logits_indices: torch.Tensor  # [M] which flat tokens need logits
     uniform_query_len: bool  # every sequence has the same number of new tokens (no padding)
+    block_size: int  # tokens per KV block
+    context_len: int  # the longest sequence's length once this pass's tokens are in
 
     @property
     def num_tokens(self) -> int:
@@ -35,36 +37,37 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     """Append new_tokens[i] to sequence seq_ids[i] in the cache (allocating blocks) and describe
     the pass. num_logits[i]: logits are produced for that many trailing new tokens of sequence i."""
     device = cache.k.device
-    input_ids, positions, slots, logits_indices = [], [], [], []
     query_lens = [len(t) for t in new_tokens]
     if any(q == 0 for q in query_lens):
         raise ValueError("every sequence in a forward pass needs at least one new token")
-    offset = 0
-    for seq_id, toks, n_logits in zip(seq_ids, new_tokens, num_logits):
-        start = cache.length(seq_id)
-        slots.append(cache.append_slots(seq_id, len(toks)))
-        positions.append(torch.arange(start, start + len(toks)))
-        input_ids.extend(toks)
-        logits_indices.extend(range(offset + len(toks) - n_logits, offset + len(toks)))
-        offset += len(toks)
-    total = offset
     qmax = max(query_lens)
-    starts = torch.tensor([0] + query_lens[:-1]).cumsum(0)
-    col = torch.arange(qmax)
-    lens = torch.tensor(query_lens)
-    is_token = col[None, :] < lens[:, None]
-    token_index = torch.where(is_token, starts[:, None] + col[None, :],
-                              torch.full_like(is_token, total, dtype=torch.long))
-    flat_positions = torch.cat(positions)
-    padded_positions = torch.cat([flat_positions, torch.zeros(1, dtype=torch.long)])[token_index]
+    total = sum(query_lens)
+    input_ids, positions, slots, logits_indices = [], [], [], []
+    token_index, query_positions, is_token = [], [], []
+    for seq_id, toks, n_logits in zip(seq_ids, new_tokens, num_logits):
+        offset, start, pad = len(input_ids), cache.length(seq_id), qmax - len(toks)
+        slots += cache.append_slots(seq_id, len(toks))
+        positions += range(start, start + len(toks))
+        input_ids += toks
+        logits_indices += range(offset + len(toks) - n_logits, offset + len(toks))
+        # The padded [B, Qmax] layout attention regroups tokens in (padding: row `total`).
+        token_index.append(list(range(offset, offset + len(toks))) + [total] * pad)
+        query_positions.append(positions[offset:] + [0] * pad)
+        is_token.append([True] * len(toks) + [False] * pad)
+
+    def tensor(values, dtype=torch.long):
+        return torch.tensor(values, dtype=dtype, device=device)
+
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=flat_positions.to(device),
-        slots=torch.cat(slots).to(device),
+        input_ids=tensor(input_ids),
+        positions=tensor(positions),
+        slots=tensor(slots),
         block_tables=cache.block_tables_tensor(seq_ids),
-        token_index=token_index.to(device),
-        query_positions=padded_positions.to(device),
-        is_token=is_token.to(device),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        token_index=tensor(token_index),
+        query_positions=tensor(query_positions),
+        is_token=tensor(is_token, torch.bool),
+        logits_indices=tensor(logits_indices),
         uniform_query_len=all(q == qmax for q in query_lens),
+        block_size=cache.block_size,
+        context_len=max(cache.length(s) for s in seq_ids),
     )

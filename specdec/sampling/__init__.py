@@ -1,5 +1,5 @@
 """Pure, batched sampling math: logits transforms, per-request randomness, speculative verify."""
-from specdec.sampling.random import draw_uniforms, make_generator
+from specdec.sampling.random import ACCEPT, DRAFT, TARGET, random_seed, uniforms
 from specdec.sampling.speculative import (
     sample_from_probs,
     speculative_step_distribution,
@@ -11,19 +11,22 @@ from specdec.sampling.transforms import (
     presence_for_positions,
     presence_mask,
     probs_from_logits,
-    sparsify_probs,
+    top_entries,
 )
 
 __all__ = [
+    "ACCEPT",
+    "DRAFT",
+    "TARGET",
     "BatchSamplingParams",
     "apply_repetition_penalty",
-    "draw_uniforms",
-    "make_generator",
     "presence_for_positions",
     "presence_mask",
     "probs_from_logits",
+    "random_seed",
     "sample_from_probs",
-    "sparsify_probs",
     "speculative_step_distribution",
     "speculative_verify",
+    "top_entries",
+    "uniforms",
 ]

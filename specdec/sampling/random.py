@@ -1,28 +1,63 @@
-"""Per-request randomness.
+"""A request's randomness as a pure function of (seed, absolute token position, purpose).
 
-Every request owns a generator and every uniform it consumes is drawn from that generator, in
-request order. A seeded request therefore sees the same stream of uniforms whatever else is in
-the batch, which is what makes `seed` reproducible under continuous batching.
+No generator advances with each draw: the uniform a request uses for one purpose at one position is
+a counter-based hash of those three values. The same position of the same request therefore sees
+the same uniforms whatever shares its batch, however many tokens a round proposed, whether a
+proposal was drafted and thrown away, and which worker process computed it. That is what keeps a
+seeded request reproducible under continuous batching, adaptive K, overlapped drafting and resume
+after a worker restart (see DESIGN.md, "where a request's randomness lives").
+
+Purposes, one independent stream each:
+- DRAFT: the draft's sample of the token it proposes at `position`;
+- ACCEPT: the target's accept test of the draft token at `position`;
+- TARGET: the target's own sample at `position` (plain decoding, the residual after a rejection,
+  the bonus token).
+
+The hash is SplitMix64 (Steele, Lea and Flood 2014): the stream key is mix64(seed ^ salt(purpose))
+and the value at `position` is mix64(key + (position + 1) * GAMMA), i.e. element `position` of
+the SplitMix64 sequence seeded with that key. Every 64-bit seed gives its own streams (mix64 is a
+bijection on 64-bit words). A uniform keeps the top 53 bits: float64 on a 2^-53 grid. float32
+uniforms would put inverse-CDF sampling on a 2^-24 grid, where tokens of probability below 2^-24
+(tens of thousands of them in a 150k vocabulary) could never be drawn.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+DRAFT, ACCEPT, TARGET = "draft", "accept", "target"
+SEED_LIMIT = 1 << 64  # seeds are unsigned 64-bit integers
 
-def make_generator(seed: int | None, device="cpu") -> torch.Generator:
-    """A generator seeded with `seed`, or with fresh OS entropy when seed is None."""
-    if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_SALT = {DRAFT: np.uint64(0x243F6A8885A308D3), ACCEPT: np.uint64(0x13198A2E03707344),
+         TARGET: np.uint64(0xA4093822299F31D0)}  # digits of pi: no structure shared with GAMMA
 
 
-def draw_uniforms(generators: list[torch.Generator], n: int, device="cpu") -> torch.Tensor:
-    """[len(generators), n] float32 in [0, 1); row r comes only from generators[r]."""
-    if not generators:
-        return torch.zeros(0, n, dtype=torch.float32, device=device)
-    rows = [torch.rand(n, generator=g, device=g.device, dtype=torch.float32) for g in generators]
-    return torch.stack([r.to(device) for r in rows])
+def mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 words (wrapping arithmetic), a bijection."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def random_seed() -> int:
+    """A fresh seed from the OS, for requests that did not bring one."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def uniforms(seeds: Sequence[int], positions: np.ndarray | Sequence, purpose: str) -> torch.Tensor:
+    """Uniforms in [0, 1) as float64: row r at positions[r] for request seed seeds[r].
+
+    positions: [N] or [N, M] absolute token positions (the index of the token in prompt + output)
+    -> a tensor of the same shape.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size and pos.min() < 0:
+        raise ValueError("token positions are >= 0")
+    keys = mix64(np.asarray([int(s) for s in seeds], dtype=np.uint64) ^ _SALT[purpose])
+    keys = keys.reshape((len(keys),) + (1,) * (pos.ndim - 1))
+    words = mix64(keys + (pos.astype(np.uint64) + np.uint64(1)) * _GAMMA)
+    return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)

@@ -1,13 +1,16 @@
 """Speculative sampling math (Leviathan et al. 2023; Chen et al. 2023), batched over sequences.
 
-Row b proposed draft_tokens[b, :num_proposed[b]], token i sampled from q[b, i]. The target scored
-every prefix, giving p[b, i] for i = 0..K (p[b, num_proposed] is the "bonus" position). Accepting
+Row b proposed draft_tokens[b, :num_proposed[b]], token i sampled from q[b, i], a sparse
+distribution: probability q_probs[b, i, j] on token q_ids[b, i, j] (the draft's top entries; it
+sampled from exactly these). The target scored every prefix, giving p[b, i] for i = 0..K
+(p[b, num_proposed] is the "bonus" position). Accepting
 t_i with probability min(1, p_i(t_i) / q_i(t_i)) and, at the first rejection, sampling from
 norm(max(0, p - q)) makes every committed token distributed exactly as p. Greedy rows use the
 degenerate version: accept while the target's argmax agrees.
 
-All functions take their randomness as explicit uniforms so callers control the generators
-(see specdec.sampling.random) and tests can drive them deterministically.
+All functions take their randomness as explicit float64 uniforms, so callers decide where it comes
+from (specdec.sampling.random: a function of the request's seed and the token position) and tests
+can drive it deterministically.
 """
 from __future__ import annotations
 
@@ -36,16 +39,19 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 
 def speculative_verify(
     p: torch.Tensor,  # [B, K+1, V] target probs
-    q: torch.Tensor,  # [B, K, V] draft probs the draft tokens were sampled from
+    q_ids: torch.Tensor,  # [B, K, n] int64 token ids of the proposal distributions
+    q_probs: torch.Tensor,  # [B, K, n] their probabilities (padding entries: 0)
     draft_tokens: torch.Tensor,  # [B, K] int64, padding beyond num_proposed
     num_proposed: torch.Tensor,  # [B] int64, <= K
     greedy: torch.Tensor,  # [B] bool
-    u_accept: torch.Tensor,  # [B, K] uniforms for the accept tests
-    u_resample: torch.Tensor,  # [B] uniforms for the correction / bonus token
+    u_accept: torch.Tensor,  # [B, K] float64 uniforms of the accept tests, per draft position
+    u_target: torch.Tensor,  # [B, K+1] float64 uniforms of the target's own sample, per position
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (num_accepted [B] int64, next_token [B] int64).
 
-    The committed tokens of row b are draft_tokens[b, :num_accepted[b]] followed by next_token[b].
+    The committed tokens of row b are draft_tokens[b, :num_accepted[b]] followed by next_token[b],
+    sampled with u_target[b, num_accepted[b]]: the correction at the first rejected position, or
+    the bonus token after K accepted ones.
     """
     B, K1, V = p.shape
     K = K1 - 1
@@ -59,11 +65,12 @@ def speculative_verify(
     safe_tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
 
     p_draft = p[:, :K].float()
-    p_t = p_draft.gather(2, safe_tokens[:, :, None]).squeeze(2)  # [B, K]
-    q_t = q.float().gather(2, safe_tokens[:, :, None]).squeeze(2)
-    # u < min(1, p/q) written without a division: accept when p >= q, else when u*q < p.
-    # q_t is > 0 for a genuinely sampled token; with q_t == 0 this still accepts iff p_t > 0.
-    u = u_accept.to(dev).float()
+    p_t = p_draft.gather(2, safe_tokens[:, :, None]).squeeze(2).double()  # [B, K]
+    q_ids, q_probs = q_ids.to(dev).long(), q_probs.to(dev).float()
+    q_t = torch.where(q_ids == safe_tokens[:, :, None], q_probs, 0.0).sum(dim=2).double()
+    # u < min(1, p/q) written without a division: accept when p >= q, else when u*q < p. The
+    # target checks that every proposed token has q_t > 0 before it gets here.
+    u = u_accept.to(dev).double()
     accept_sampled = (p_t > 0) & ((p_t >= q_t) | (u * q_t < p_t))
     accept_greedy = p_draft.argmax(dim=-1) == safe_tokens
     accept = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid
@@ -73,7 +80,8 @@ def speculative_verify(
     p_next = p[rows, num_accepted].float()  # [B, V]: correction position or bonus position
     rejected = num_accepted < num_proposed
     if K > 0:
-        q_next = q[rows, num_accepted.clamp(max=K - 1)].float()
+        at = num_accepted.clamp(max=K - 1)
+        q_next = torch.zeros_like(p_next).scatter_add_(1, q_ids[rows, at], q_probs[rows, at])  # [B, V]
         residual = (p_next - q_next).clamp_min(0)
         # If p == q numerically the residual vanishes (a rejection there has probability ~0);
         # p itself is then the correct distribution to fall back to.
@@ -81,7 +89,8 @@ def speculative_verify(
         dist = torch.where(use_residual[:, None], residual, p_next)
     else:
         dist = p_next
-    sampled_next = sample_from_probs(dist, u_resample.to(dev))
+    u_next = u_target.to(dev).double().gather(1, num_accepted[:, None]).squeeze(1)
+    sampled_next = sample_from_probs(dist, u_next)
     next_token = torch.where(greedy, p_next.argmax(dim=-1), sampled_next)
     return num_accepted, next_token
 

@@ -19,6 +19,9 @@ from specdec.params import SamplingParams
 # Temperatures this small are greedy in all but name; the floor only keeps logits / temperature
 # finite (an inf logit would turn the softmax into NaN).
 _MIN_TEMPERATURE = 1e-6
+# Extreme but valid parameters (a repetition penalty of 1e-300) can still overflow a logit to inf;
+# clamped to the largest float32, the softmax stays a distribution (ties share the mass).
+_LARGEST = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -29,6 +32,12 @@ class BatchSamplingParams:
     top_k: torch.Tensor  # [N] int64; 0 = disabled
     top_p: torch.Tensor  # [N] float32; 1.0 = disabled
     repetition_penalty: torch.Tensor  # [N] float32; 1.0 = disabled
+    # Which transforms any row uses, known without reading the tensors back: a transform no row
+    # uses is skipped (a full-vocabulary sort for top-p that nobody asked for costs 20% of a round).
+    any_greedy: bool = True
+    all_greedy: bool = False
+    any_top_k: bool = True
+    any_top_p: bool = True
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device="cpu") -> BatchSamplingParams:
@@ -39,6 +48,10 @@ class BatchSamplingParams:
             repetition_penalty=torch.tensor(
                 [p.repetition_penalty for p in params], dtype=torch.float32, device=device
             ),
+            any_greedy=any(p.greedy for p in params),
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
         )
 
     def repeat_interleave(self, counts: torch.Tensor | list[int]) -> BatchSamplingParams:
@@ -49,6 +62,8 @@ class BatchSamplingParams:
             top_k=self.top_k.repeat_interleave(counts),
             top_p=self.top_p.repeat_interleave(counts),
             repetition_penalty=self.repetition_penalty.repeat_interleave(counts),
+            any_greedy=self.any_greedy, all_greedy=self.all_greedy, any_top_k=self.any_top_k,
+            any_top_p=self.any_top_p,
         )
 
     @property
@@ -107,52 +122,62 @@ def probs_from_logits(
 ) -> torch.Tensor:
     """[N, V] float32 probabilities after penalty, temperature, top-k, top-p (HF order).
 
-    Greedy rows (temperature 0) become an exact one-hot at the argmax of the penalised logits,
-    so greedy decoding is just a degenerate distribution to the rest of the pipeline.
+    logits: [N, V]; presence: [N, V] bool or None (no repetition penalty). Greedy rows
+    (temperature 0) become an exact one-hot at the argmax of the penalised logits, so greedy
+    decoding is just a degenerate distribution to the rest of the pipeline. Transforms no row
+    uses are skipped (params.any_*).
     """
     logits = logits.float()
-    N, V = logits.shape
+    V = logits.shape[1]
     if presence is not None:
         logits = apply_repetition_penalty(logits, presence, params.repetition_penalty.to(logits.device))
-
     greedy = params.greedy.to(logits.device)
+    one_hot = None
+    if params.any_greedy:
+        one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if params.all_greedy:
+            return one_hot
+
     temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    scaled = logits / temp.to(logits.device).clamp_min(_MIN_TEMPERATURE)[:, None]
-
-    # One descending sort serves both filters.
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-
-    # top-k: like HF, drop what is strictly below the k-th largest value (ties with it survive).
+    temp = temp.to(logits.device).clamp(_MIN_TEMPERATURE, _LARGEST)  # 1e300 as float32 would be inf
+    scaled = (logits.clamp(-_LARGEST, _LARGEST) / temp[:, None]).clamp(-_LARGEST, _LARGEST)
     k = params.top_k.to(logits.device)
     k = torch.where(k <= 0, torch.full_like(k, V), k.clamp(max=V))
+    if params.any_top_p:
+        scaled = _top_k_top_p(scaled, k, params.top_p.to(logits.device))
+    elif params.any_top_k:
+        # top-k: like HF, drop what is strictly below the k-th largest value (ties with it survive).
+        kth = torch.topk(scaled, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    return probs if one_hot is None else torch.where(greedy[:, None], one_hot, probs)
+
+
+def _top_k_top_p(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Both filters on one descending sort. top-p keeps the smallest prefix whose mass reaches
+    top_p: a token survives when the mass strictly ahead of it is still below top_p (the first
+    always survives)."""
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-
-    # top-p: keep the smallest prefix whose mass reaches top_p, i.e. a token survives when the
-    # mass strictly ahead of it is still below top_p. The first token always survives.
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_ahead = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    top_p = params.top_p.to(logits.device)[:, None]
-    drop = (mass_ahead >= top_p) & (top_p < 1.0)
+    drop = (mass_ahead >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-
-    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
-    probs = torch.softmax(filtered, dim=-1)
-
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def sparsify_probs(probs: torch.Tensor, max_entries: int) -> torch.Tensor:
-    """Keep each row's `max_entries` largest probabilities and renormalise.
+def top_entries(probs: torch.Tensor, max_entries: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `max_entries` largest probabilities, renormalised, as (ids, probs) [N, n].
 
-    Used on the draft side so the proposal sent over the wire stays small. The draft then samples
-    from this sparsified q itself, so the q the target divides by is the one actually used and
-    the method stays exact (only the acceptance rate changes).
+    The draft samples from exactly this sparse q and sends it as is: the q the target divides by
+    is the one the token was drawn from, so the method stays exact (only acceptance can drop),
+    and the wire carries n entries per position instead of the vocabulary. None keeps every entry.
     """
     probs = probs.float()
-    if max_entries < probs.shape[-1]:
-        vals, idx = torch.topk(probs, k=max(1, max_entries), dim=-1)
-        probs = torch.zeros_like(probs).scatter_(1, idx, vals)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    if max_entries is None or max_entries >= probs.shape[-1]:
+        ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+        return ids, probs / probs.sum(dim=-1, keepdim=True)
+    vals, ids = torch.topk(probs, k=max(1, max_entries), dim=-1)
+    return ids, vals / vals.sum(dim=-1, keepdim=True)

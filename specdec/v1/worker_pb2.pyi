@@ -105,14 +105,16 @@ class VerifyTask(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDist, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
-    __slots__ = ("req_id", "num_accepted", "tokens")
+    __slots__ = ("req_id", "num_accepted", "tokens", "error")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     num_accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    error: str
+    def __init__(self, req_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("outcomes", "kv_blocks_used", "kv_blocks_total")
@@ -139,17 +141,19 @@ class VerifyRoundReply(_message.Message):
     def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("vocab_size", "max_seq_len", "eos_token_ids", "kv_block_size", "kv_blocks_total", "model_name")
+    __slots__ = ("vocab_size", "max_seq_len", "eos_token_ids", "kv_block_size", "kv_blocks_total", "model_name", "num_parameters")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     max_seq_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_block_size: int
     kv_blocks_total: int
     model_name: str
-    def __init__(self, vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    num_parameters: int
+    def __init__(self, vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., model_name: _Optional[str] = ..., num_parameters: _Optional[int] = ...) -> None: ...

@@ -4,6 +4,6 @@ Modules: `theory` (the expected-speedup formula), `runners` (one way to time eac
 the draft/target step-cost microbenchmark), `report` (table, targets, JSON, PNG) and `command`
 (the CLI subcommand: `add_arguments(parser)` / `run(args)`).
 """
-from specdec.app.bench.theory import expected_tokens_per_round, theoretical_speedup
+from specdec.app.bench.theory import best_fixed_k_speedup, expected_tokens_per_round, theoretical_speedup
 
-__all__ = ["expected_tokens_per_round", "theoretical_speedup"]
+__all__ = ["best_fixed_k_speedup", "expected_tokens_per_round", "theoretical_speedup"]

@@ -1,9 +1,11 @@
-"""`specdec bench`: tokens/s of specdec (plain, draft model, n-gram) vs Hugging Face `generate`
-(plain and assisted), greedy and sampled, at several batch sizes, in one run.
+"""`specdec bench`: tokens/s of specdec (plain; draft model and n-gram, each with K adaptive and
+fixed) vs Hugging Face `generate` (plain and assisted), greedy and sampled, at several batch
+sizes, on one or more prompt sets (code and prose by default), in one run.
 
-Prints a table (tokens/s, ratios, acceptance, mean accepted length, cost ratio c, expected
-speedup), the step-cost measurement, where specdec's time went, and the four project targets;
-writes bench.json and bench.png under --out. `--sweep-k` adds a speedup-vs-K sweep.
+Prints a table per prompt set (tokens/s, ratios, acceptance, mean accepted length, the K chosen,
+cost ratio c, expected speedup and the share of it measured), the step-cost measurement, where
+specdec's time went, and the release targets; writes bench.json and bench.png under --out.
+`--sweep-k` adds a speedup-vs-K sweep on the first prompt set.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from specdec.app.flags import add_settings, format_default, given_settings
 from specdec.config import NGRAM, REPO_ROOT, SHIPPED_DRAFT, ConfigError, ServiceConfig, WorkerConfig
 from specdec.kv_cache import blocks_for_tokens
 
-ALL_SYSTEMS = ["engine", "spec-draft", "spec-ngram", "hf", "hf-assisted"]
+ALL_SYSTEMS = ["engine", "spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed", "hf", "hf-assisted"]
 DEFAULT_SWEEP = "1,2,3,4,6,8"
+# The shipped prompt sets (JSONL, {"prompt": text, "source": ...} per line), by the name --prompt-sets uses.
+PROMPT_SETS = {"code": "models/heldout_prompts.jsonl", "prose": "models/prose_prompts.jsonl"}
 
 
 def _int_list(text: str) -> list[int]:
@@ -52,17 +56,29 @@ def _systems(text: str) -> list[str]:
     return [s for s in ALL_SYSTEMS if s in names]
 
 
+def _prompt_sets(text: str) -> list[str]:
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [n for n in names if n not in PROMPT_SETS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown prompt set(s) {bad}; choose from {','.join(PROMPT_SETS)}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
     add_settings(parser, ["target"])
     parser.add_argument("--draft", default=str(SHIPPED_DRAFT),
                         help="draft checkpoint dir of the spec-draft system "
                              f"(default: {format_default(str(SHIPPED_DRAFT))})")
-    parser.add_argument("--prompts", default="models/heldout_prompts.jsonl",
-                        help='JSONL, one {"prompt": text} or {"prompt_ids": [ids]} per line '
-                             "(default: the held-out prompts)")
+    parser.add_argument("--prompt-sets", type=_prompt_sets, default=list(PROMPT_SETS),
+                        help="comma-separated shipped prompt sets: "
+                             + ", ".join(f"{name} ({path})" for name, path in PROMPT_SETS.items())
+                             + f" (default {','.join(PROMPT_SETS)})")
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help='JSONL, one {"prompt": text} or {"prompt_ids": [ids]} per line; replaces '
+                             "--prompt-sets with this one file, named by its stem (or by the shipped set it is)")
     parser.add_argument("--num-prompts", type=int, default=None,
-                        help="prompts per run, spread over the file (default 8)")
+                        help="prompts per run and prompt set, spread over the file (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per prompt (default 128)")
     add_settings(parser, ["num_speculative_tokens"])
     parser.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default 1,8)")
@@ -71,16 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", type=_systems, default=list(ALL_SYSTEMS),
                         help=f"subset of {','.join(ALL_SYSTEMS)} (default: all)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="base seed of HF's sampled runs (specdec's sampled requests are unseeded, like "
+                             "typical traffic: a seeded request's K follows a restricted rule)")
     parser.add_argument("--sweep-k", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="K1,K2,...",
-                        help="also sweep K for the speculative systems at batch 1 greedy "
-                             f"(default list {DEFAULT_SWEEP})")
+                        help="also sweep K (adaptive systems: the most K) for the speculative systems at batch 1 "
+                             f"greedy on the first prompt set (default list {DEFAULT_SWEEP})")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep-k: skip the main grid")
     parser.add_argument("--cost-steps", type=int, default=None,
                         help="timed passes per step-cost measurement (default 30)")
     parser.add_argument("--out", default="bench_out", help="output folder for bench.json and bench.png")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny smoke run: 2 prompts, 16 new tokens, batch sizes 1,2")
+                        help="tiny smoke run: 2 prompts per set, 16 new tokens, batch sizes 1,2")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -93,7 +111,23 @@ def _resolve(path: str) -> str:
     return str(alt) if alt.exists() else str(p)
 
 
-def _environment(args, param_counts: dict) -> dict:
+def _prompt_set_name(path: str) -> str:
+    """A --prompts file is named by the shipped set it is, else by its stem."""
+    for name, shipped in PROMPT_SETS.items():
+        if Path(_resolve(shipped)).resolve() == Path(path).resolve():
+            return name
+    return Path(path).stem
+
+
+def _load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _format_load(load: list[float] | None) -> str:
+    return "unknown" if load is None else " ".join(f"{x:.2f}" for x in load)
+
+
+def _environment(args, param_counts: dict, load_at_start: list[float] | None) -> dict:
     import torch
     import transformers
 
@@ -117,7 +151,7 @@ def _environment(args, param_counts: dict) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
         "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(), "git_commit": commit,
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": load_at_start,
         "parameters": param_counts,
     }
 
@@ -134,6 +168,8 @@ def run(args) -> int:
 
     from specdec.app.bench import report
     from specdec.app.bench.runners import (
+        SPECDEC_SYSTEMS,
+        SPECULATIVE_SYSTEMS,
         SYSTEMS,
         EngineSystem,
         HFSystem,
@@ -144,6 +180,7 @@ def run(args) -> int:
     )
     from specdec.tokenizer import load_tokenizer
 
+    load_at_start = _load_average()
     quick = args.quick
     num_prompts = args.num_prompts or (2 if quick else 8)
     max_new = args.max_new_tokens or (16 if quick else 128)
@@ -165,12 +202,18 @@ def run(args) -> int:
     modes = [Mode("greedy" if t == 0 else f"T={t:g}", t) for t in args.temperatures]
     systems = list(args.systems)
     torch.set_num_threads(args.threads)
-    target, draft, prompts_path = _resolve(config.target.model), _resolve(args.draft), _resolve(args.prompts)
-    needs_draft = any(SYSTEMS[s][1] for s in systems)
-    for what, path in [("target", target), ("prompts", prompts_path)] + ([("draft", draft)] if needs_draft else []):
+    target, draft = _resolve(config.target.model), _resolve(args.draft)
+    if args.prompts is not None:
+        set_files = {_prompt_set_name(_resolve(args.prompts)): _resolve(args.prompts)}
+    else:
+        set_files = {name: _resolve(PROMPT_SETS[name]) for name in args.prompt_sets}
+    needs_draft = any(SYSTEMS[s].needs_draft for s in systems)
+    checks = [("target", target)] + [(f"prompts ({name})", path) for name, path in set_files.items()]
+    for what, path in checks + ([("draft", draft)] if needs_draft else []):
         if not Path(path).exists():
             print(f"specdec bench: {what} {path!r} does not exist"
-                  + (" (train the pair with scripts/train_pair.py)" if what != "prompts" else ""), file=sys.stderr)
+                  + (" (train the pair with scripts/train_pair.py)" if what in ("target", "draft") else ""),
+                  file=sys.stderr)
             return 2
     out_dir = Path(args.out)
     show = not args.no_progress
@@ -178,26 +221,36 @@ def run(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > 0.5 * (os.cpu_count() or 1):
-        log(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs before starting: other work is running, "
-            "so timings will be noisy (and threads > free cores can be many times slower)")
-    prompts, prompt_names = load_prompts(prompts_path, num_prompts, load_tokenizer(target))
-    kv_blocks = _kv_blocks(prompts, max_new, max([k] + sweep_ks), max(batch_sizes))
-    log(f"specdec bench: {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
-        f"{max_new} new tokens each, K={k}, batch sizes {batch_sizes}, {args.threads} threads")
+    log(f"load average (1, 5, 15 min) at start: {_format_load(load_at_start)} on {os.cpu_count()} CPUs")
+    if load_at_start and load_at_start[0] > 0.5 * (os.cpu_count() or 1):
+        log(f"warning: load average {load_at_start[0]:.1f} on {os.cpu_count()} CPUs before starting: other work "
+            "is running, so timings will be noisy (and threads > free cores can be many times slower)")
+    tokenizer = load_tokenizer(target)
+    prompt_sets: dict[str, tuple[list[list[int]], list[str]]] = {}
+    for name, path in set_files.items():
+        try:
+            prompt_sets[name] = load_prompts(path, num_prompts, tokenizer)
+        except ValueError as e:
+            print(f"specdec bench: {e}", file=sys.stderr)
+            return 2
+    first_set = next(iter(prompt_sets))
+    every_prompt = [p for ids, _ in prompt_sets.values() for p in ids]
+    kv_blocks = _kv_blocks(every_prompt, max_new, max([k] + sweep_ks), max(batch_sizes))
+    for name, (ids, _) in prompt_sets.items():
+        log(f"specdec bench: prompt set {name}: {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} "
+            f"tokens) from {set_files[name]}")
+    log(f"specdec bench: {max_new} new tokens each, K={k}, batch sizes {batch_sizes}, {args.threads} threads")
 
     # -- load every system once ----------------------------------------------------------------
     t0 = time.perf_counter()
     built: dict = {}
     hf_target = None
+    drafter_paths = {None: None, "model": draft, "ngram": NGRAM}
     for key in tqdm(systems, desc="loading", disable=not show, leave=False):
-        if key == "engine":
-            built[key] = EngineSystem(key, target, None, k, kv_blocks, max(batch_sizes))
-        elif key == "spec-draft":
-            built[key] = EngineSystem(key, target, draft, k, kv_blocks, max(batch_sizes))
-        elif key == "spec-ngram":
-            built[key] = EngineSystem(key, target, NGRAM, k, kv_blocks, max(batch_sizes))
+        spec = SYSTEMS[key]
+        if key in SPECDEC_SYSTEMS:
+            built[key] = EngineSystem(key, target, drafter_paths[spec.drafter], k, kv_blocks, max(batch_sizes),
+                                      adaptive=spec.adaptive)
         else:
             hf_target = hf_target if hf_target is not None else load_hf(target)
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)
@@ -208,74 +261,87 @@ def run(args) -> int:
     params = {"target": LlamaModel.load(target).num_parameters}
     if needs_draft:
         params["draft"] = LlamaModel.load(draft).num_parameters
-    env = _environment(args, params)
+    env = _environment(args, params, load_at_start)
 
-    # -- cost ratio c ------------------------------------------------------------------------------
-    costs = None
-    if any(s in systems for s in ("spec-draft", "spec-ngram")):
+    # -- cost ratio c, per prompt set (context lengths differ) ---------------------------------
+    costs_by_set = None
+    if any(s in systems for s in SPECULATIVE_SYSTEMS):
         log("measuring draft/target step costs ...")
         has_draft = Path(draft).exists() and draft != NGRAM
-        costs = measure_step_costs(target, draft if has_draft else None, prompts, batch_sizes, k, cost_steps,
-                                   kv_cache_blocks=kv_blocks)
+        costs_by_set = measure_step_costs(target, draft if has_draft else None,
+                                          {name: ids for name, (ids, _) in prompt_sets.items()}, batch_sizes, k,
+                                          cost_steps, kv_cache_blocks=kv_blocks)
 
     # -- main grid -----------------------------------------------------------------------------------
+    # Prompt set outermost: the adaptive policy's running acceptance estimate then moves from one
+    # set to the other once (during the next set's warm-ups), not back and forth.
     results = []
-    combos = [] if args.sweep_only else [(m, b, s) for m in modes for b in batch_sizes for s in systems]
-    total_tokens = sum(max_new * num_prompts for m, b, s in combos if not (SYSTEMS[s][2] and b != 1))
+    combos = [] if args.sweep_only else [(n, m, b, s) for n in prompt_sets for m in modes for b in batch_sizes
+                                         for s in systems]
+    total_tokens = sum(max_new * len(prompt_sets[n][0]) for n, m, b, s in combos
+                       if not (SYSTEMS[s].batch1_only and b != 1))
     overall = tqdm(total=total_tokens, desc="bench", unit="tok", disable=not show, position=0)
     try:
-        for mode, batch, key in combos:
-            system = built[key]
-            overall.set_postfix_str(f"{key} b{batch} {mode.name}")
+        for set_name, mode, batch, key in combos:
+            system, prompts = built[key], prompt_sets[set_name][0]
+            overall.set_postfix_str(f"{set_name} {key} b{batch} {mode.name}")
             system.warm_up(prompts, batch, mode, args.seed)
-            results.append(system.run(prompts, batch, mode, max_new, args.seed, bar=overall))
+            results.append(system.run(prompts, batch, mode, max_new, args.seed, bar=overall, prompt_set=set_name))
     finally:
         overall.close()
 
-    # -- K sweep -------------------------------------------------------------------------------------
+    # -- K sweep (first prompt set only) ---------------------------------------------------------------
     sweep = []
     sweep_baseline = []
-    sweep_systems = [s for s in ("spec-draft", "spec-ngram") if s in systems]
+    sweep_systems = [s for s in SPECULATIVE_SYSTEMS if s in systems]
     if sweep_ks and sweep_systems:
+        prompts = prompt_sets[first_set][0]
         greedy = modes[0] if modes[0].greedy else Mode("greedy", 0.0)
-        base = [r for r in results if r.system == "engine" and r.batch == 1 and r.mode == greedy.name]
+        base = [r for r in results
+                if r.system == "engine" and r.batch == 1 and r.mode == greedy.name and r.prompt_set == first_set]
         if not base:
             plain = built.get("engine") or EngineSystem("engine", target, None, k, kv_blocks, max(batch_sizes))
             plain.warm_up(prompts, 1, greedy, args.seed)
-            base = [plain.run(prompts, 1, greedy, max_new, args.seed)]
+            base = [plain.run(prompts, 1, greedy, max_new, args.seed, prompt_set=first_set)]
         sweep_baseline = base
-        bar = tqdm(total=len(sweep_ks) * len(sweep_systems) * max_new * num_prompts, desc="sweep K", unit="tok",
+        bar = tqdm(total=len(sweep_ks) * len(sweep_systems) * max_new * len(prompts), desc="sweep K", unit="tok",
                    disable=not show)
         try:
             for key in sweep_systems:
                 for sk in sweep_ks:
                     bar.set_postfix_str(f"{key} K={sk}")
                     built[key].warm_up(prompts, 1, greedy, args.seed, k=sk)
-                    sweep.append(built[key].run(prompts, 1, greedy, max_new, args.seed, k=sk, bar=bar))
+                    sweep.append(built[key].run(prompts, 1, greedy, max_new, args.seed, k=sk, bar=bar,
+                                                prompt_set=first_set))
         finally:
             bar.close()
-        report.annotate(sweep, costs, baselines=sweep_baseline)
+        report.annotate(sweep, costs_by_set, baselines=sweep_baseline)
 
-    report.annotate(results, costs)
+    report.annotate(results, costs_by_set)
     targets = report.evaluate_targets(results)
 
     # -- report --------------------------------------------------------------------------------------
     print()
     if results:
-        print(f"tokens/s on {len(prompts)} held-out prompts x {max_new} new tokens (K={k}, {args.threads} threads, "
-              f"{os.cpu_count()} CPUs); x plain / x HF / x HF-asst = tok/s ratio to specdec plain / HF generate / "
-              f"HF assisted at the same batch and mode; accept = accepted/proposed; alpha = accepted/tested "
-              f"(per-token, what the formula assumes); "
-              f"theory x = (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha; "
-              f"=plain: greedy outputs identical to specdec plain's")
+        sets_text = ", ".join(f"{name} ({len(ids)} prompts)" for name, (ids, _) in prompt_sets.items())
+        print(f"tokens/s on {sets_text} x {max_new} new tokens (K={k}, {args.threads} threads, "
+              f"{os.cpu_count()} CPUs)\n"
+              "  x plain / x HF / x HF-asst: tok/s ratio to specdec plain / HF generate / HF assisted, "
+              "same prompt set, batch and mode\n"
+              "  accept = accepted/proposed; alpha = accepted/tested (per-token, what the formula assumes)\n"
+              "  mean K, K=0: the K asked per request and round (adaptive: the policy's choice, at most K; fixed: K "
+              "but less near the end), and the share of those that were 0\n"
+              "  theory x = (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha; for adaptive rows the best fixed K's: max over "
+              "k = 1..K\n"
+              "  % theory = x plain / theory x; =plain: greedy outputs identical to specdec plain's\n")
         print(report.format_table(results))
         print()
     if sweep:
-        print("K sweep (batch 1, greedy; x plain vs specdec plain "
-              f"{sweep_baseline[0].tokens_per_s:.1f} tok/s):")
+        print(f"K sweep (prompt set {first_set} only, batch 1, greedy; adaptive systems: K = the most per round; "
+              f"x plain vs specdec plain {sweep_baseline[0].tokens_per_s:.1f} tok/s):")
         print(report.format_table(sweep))
         print()
-    print(report.format_costs(costs))
+    print(report.format_costs(costs_by_set))
     print()
     if results:
         print(report.format_breakdown(results))
@@ -285,30 +351,42 @@ def run(args) -> int:
         if hf_assisted_skipped:
             print("note: HF assisted generation supports batch size 1 only; its batch > 1 rows are n/a")
 
+    env["load_average_at_end"] = _load_average()
+    first_ids, first_sources = prompt_sets[first_set]
     payload = {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "arguments": {k_: v for k_, v in vars(args).items() if k_ != "func"},
-        "config": {"target": target, "draft": draft, "prompts_file": prompts_path, "num_prompts": len(prompts),
-                   "prompt_sources": prompt_names, "prompt_lengths": [len(p) for p in prompts],
+        # prompts_file .. prompt_lengths describe the first prompt set (as before there were
+        # several); prompt_sets describes each.
+        "config": {"target": target, "draft": draft, "prompts_file": set_files[first_set],
+                   "num_prompts": len(first_ids), "prompt_sources": first_sources,
+                   "prompt_lengths": [len(p) for p in first_ids],
+                   "prompt_sets": {name: {"prompts_file": set_files[name], "num_prompts": len(ids),
+                                          "prompt_sources": sources, "prompt_lengths": [len(p) for p in ids]}
+                                   for name, (ids, sources) in prompt_sets.items()},
                    "max_new_tokens": max_new, "num_speculative_tokens": k, "batch_sizes": batch_sizes,
                    "modes": [{"name": m.name, "temperature": m.temperature} for m in modes],
                    "systems": systems, "seed": args.seed, "threads": args.threads, "kv_cache_blocks": kv_blocks,
+                   "sampled_requests": "specdec: unseeded (typical traffic); HF: torch.manual_seed(seed + offset)",
                    "hf_assisted": {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
                                    "note": "batch size 1 only"},
+                   "sweep_prompt_set": first_set if sweep else None,
                    "eos": "ignored: specdec ignore_eos=True, HF min_new_tokens=max_new_tokens"},
         "environment": env,
-        "cost": costs,
+        "cost": (costs_by_set or {}).get(first_set),  # the first prompt set's, as before
+        "cost_by_prompt_set": costs_by_set,
         "results": [r.to_json() for r in results],
         "sweep": [r.to_json() for r in sweep],
         "sweep_baseline": [r.to_json() for r in sweep_baseline],
         "targets": targets,
     }
-    env["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     json_path, png_path = out_dir / "bench.json", out_dir / "bench.png"
     report.write_json(json_path, payload)
-    title = (f"specdec bench: {len(prompts)} prompts x {max_new} tokens, K={k}, {args.threads} threads, "
+    title = (f"specdec bench: {num_prompts} prompts per set x {max_new} tokens, K={k}, {args.threads} threads, "
              f"target {params['target'] / 1e6:.1f}M"
              + (f", draft {params['draft'] / 1e6:.1f}M" if "draft" in params else ""))
     report.write_plot(png_path, results, sweep, title)
-    print(f"\nwrote {json_path} and {png_path}")
+    print(f"\nload average (1, 5, 15 min): {_format_load(load_at_start)} at start, "
+          f"{_format_load(env['load_average_at_end'])} at end, on {os.cpu_count()} CPUs")
+    print(f"wrote {json_path} and {png_path}")
     return 0

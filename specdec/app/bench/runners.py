@@ -11,22 +11,36 @@ import gc
 import json
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from specdec.tokenizer import encode_prompt
 
+
+class SystemSpec(NamedTuple):
+    label: str
+    needs_draft: bool  # loads the draft checkpoint
+    batch1_only: bool
+    drafter: str | None = None  # specdec's drafter: "model", "ngram", or None (plain decoding, and HF)
+    adaptive: bool = False  # specdec chooses K per request and round (its default) instead of always K
+
+
 SYSTEMS = {
-    # key: (label, needs a draft model, batch-1 only)
-    "engine": ("specdec plain", False, False),
-    "spec-draft": ("specdec + draft model", True, False),
-    "spec-ngram": ("specdec + n-gram", False, False),
-    "hf": ("HF generate", False, False),
-    "hf-assisted": ("HF assisted (draft)", True, True),
+    "engine": SystemSpec("specdec plain", False, False),
+    "spec-draft": SystemSpec("specdec + draft model", True, False, "model", adaptive=True),
+    "spec-draft-fixed": SystemSpec("specdec + draft model (fixed K)", True, False, "model"),
+    "spec-ngram": SystemSpec("specdec + n-gram", False, False, "ngram", adaptive=True),
+    "spec-ngram-fixed": SystemSpec("specdec + n-gram (fixed K)", False, False, "ngram"),
+    "hf": SystemSpec("HF generate", False, False),
+    "hf-assisted": SystemSpec("HF assisted (draft)", True, True),
 }
+SPECDEC_SYSTEMS = ("engine", "spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed")
+SPECULATIVE_SYSTEMS = tuple(key for key in SPECDEC_SYSTEMS if SYSTEMS[key].drafter is not None)
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,9 @@ class RunResult:
     label: str
     batch: int
     mode: str
-    k: int | None  # draft length (None for plain decoding)
+    k: int | None  # draft length (None for plain decoding); the most per round for adaptive systems
+    prompt_set: str = ""  # which prompts ("code", "prose", or a --prompts file's stem)
+    adaptive: bool | None = None  # specdec speculation: K chosen per request and round (else always k)
     prompts: int = 0
     tokens: int = 0
     seconds: float = 0.0
@@ -59,6 +75,10 @@ class RunResult:
     accepted: int | None = None
     target_forward_passes: int | None = None
     draft_forward_passes: int | None = None
+    # K asked per request per round (rounds with a target pass): {"0": n0, "1": n1, ...} up to k.
+    k_histogram: dict[str, int] | None = None
+    mean_k: float | None = None
+    draft_steps: int | None = None  # sum over rounds of the largest K asked in the round
     # Where the wall time went (specdec only): draft worker, target worker, the rest (scheduler,
     # stop conditions, Python glue).
     draft_seconds: float | None = None
@@ -70,8 +90,11 @@ class RunResult:
     vs_hf_plain: float | None = None
     vs_hf_assisted: float | None = None
     cost_ratio_c: float | None = None
-    theoretical_speedup: float | None = None  # (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha
+    # (1-a^(K+1))/((1-a)(Kc+1)) with a = alpha; for adaptive rows the best fixed K's: max over k <= K.
+    theoretical_speedup: float | None = None
+    theory_k: int | None = None  # the K that theoretical_speedup is for
     theoretical_speedup_with_verify_cost: float | None = None  # same, verify pass at its measured cost
+    share_of_theory: float | None = None  # vs_engine_plain / theoretical_speedup
     # Greedy only: share of prompts whose output equals specdec plain's, token for token.
     same_output_as_plain: float | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated ids, prompt order
@@ -80,6 +103,12 @@ class RunResult:
         data = asdict(self)
         del data["outputs"]
         return data
+
+    @property
+    def share_k0(self) -> float | None:
+        """Share of request-rounds that did not speculate (K = 0)."""
+        total = sum(self.k_histogram.values()) if self.k_histogram else 0
+        return self.k_histogram.get("0", 0) / total if total else None
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -115,7 +144,8 @@ def chunks(items: Sequence, size: int) -> list[Sequence]:
 
 # -- specdec --------------------------------------------------------------------------------------
 class _RoundTally:
-    """Adds up the RoundReports of a run: seconds in each worker and per-token acceptance.
+    """Adds up the RoundReports of a run: seconds in each worker, per-token acceptance, and the K
+    asked of each request in each round that ran.
 
     A round that proposes k tokens and keeps a tests a + 1 of them when a < k (the first rejected
     one ends the round), a when a == k. accepted / tested is the per-token acceptance probability
@@ -126,10 +156,16 @@ class _RoundTally:
     def __init__(self):
         self.draft_seconds = self.verify_seconds = 0.0
         self.tested = self.accepted = self.rounds_without_draft = 0
+        self.k_counts: Counter[int] = Counter()
+        self.draft_steps = 0
 
     def __call__(self, report) -> None:
         self.draft_seconds += report.draft_seconds
         self.verify_seconds += report.verify_seconds
+        if report.ran and report.updates:
+            asked = [update.num_speculative_tokens for update in report.updates]
+            self.k_counts.update(asked)
+            self.draft_steps += max(asked)  # a batched drafter steps as often as the longest ask
         for update in report.updates:
             if update.proposed == 0:
                 self.rounds_without_draft += int(report.ran)
@@ -139,33 +175,38 @@ class _RoundTally:
 
 
 class EngineSystem:
-    """A LocalEngine (plain, draft model or n-gram), timed per draft/verify call."""
+    """A LocalEngine (plain, draft model or n-gram; K adaptive or fixed), timed per draft/verify call.
+
+    Sampled requests carry no seed, like typical traffic: a seeded request's K follows a restricted
+    rule (its own history only), so seeding them would not measure the adaptive policy that serves.
+    """
 
     def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
-                 max_batch_size: int):
+                 max_batch_size: int, adaptive: bool = True):
         from specdec.app.engine import LocalEngine
 
         self.key = key
-        self.label = SYSTEMS[key][0]
+        self.label = SYSTEMS[key].label
         self.k = k if draft is not None else None
+        self.adaptive = adaptive if draft is not None else None
         self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
-                                  kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size)
+                                  adaptive=adaptive, kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size)
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
-            k: int | None = None, bar=None) -> RunResult:
+            k: int | None = None, bar=None, prompt_set: str = "") -> RunResult:
+        """`seed` is unused (sampled requests are unseeded, see the class); HFSystem.run takes it."""
         from specdec.params import SamplingParams
 
         k = self.k if k is None else k
         result = RunResult(system=self.key, label=self.label, batch=batch, mode=mode.name, k=k,
-                           prompts=len(prompts))
+                           prompt_set=prompt_set, adaptive=self.adaptive, prompts=len(prompts))
         tally = self.engine.on_round = _RoundTally()
         proposed = accepted = rounds = draft_passes = generated = 0
         gc.collect()
         start = time.perf_counter()
-        for offset, group in zip(range(0, len(prompts), batch), chunks(prompts, batch)):
-            params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=mode.temperature,
-                                     seed=None if mode.greedy else seed + offset + i, ignore_eos=True)
-                      for i in range(len(group))]
+        for group in chunks(prompts, batch):
+            params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=mode.temperature, seed=None,
+                                     ignore_eos=True)] * len(group)
             outputs = self.engine.generate(list(group), params, num_speculative_tokens=k if self.k is not None else 0)
             for out in outputs:
                 result.outputs.append(list(out.token_ids))
@@ -187,6 +228,10 @@ class EngineSystem:
             result.acceptance_rate = accepted / proposed if proposed else None
             result.alpha = tally.accepted / tally.tested if tally.tested else None
             result.rounds_without_draft = tally.rounds_without_draft
+            result.k_histogram = {str(n): tally.k_counts.get(n, 0) for n in range(max([k, *tally.k_counts]) + 1)}
+            asked = sum(tally.k_counts.values())
+            result.mean_k = sum(n * c for n, c in tally.k_counts.items()) / asked if asked else None
+            result.draft_steps = tally.draft_steps
         result.draft_seconds = tally.draft_seconds
         result.verify_seconds = tally.verify_seconds
         result.other_seconds = result.seconds - result.draft_seconds - result.verify_seconds
@@ -234,7 +279,7 @@ class HFSystem:
 
         transformers.utils.logging.set_verbosity_error()
         self.key = key
-        self.label = SYSTEMS[key][0]
+        self.label = SYSTEMS[key].label
         self.model = model if model is not None else load_hf(target)
         self.counter = _CallCounter(self.model)
         self.assistant = None
@@ -253,9 +298,9 @@ class HFSystem:
         self.pad_id = int(pad) if pad is not None else 0
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
-            k: int | None = None, bar=None) -> RunResult:
+            k: int | None = None, bar=None, prompt_set: str = "") -> RunResult:
         result = RunResult(system=self.key, label=self.label, batch=batch, mode=mode.name, k=self.k,
-                           prompts=len(prompts))
+                           prompt_set=prompt_set, prompts=len(prompts))
         if self.assistant is not None and batch != 1:
             result.skipped = "HF assisted generation supports batch size 1 only"
             return result
@@ -337,13 +382,14 @@ def _time_steps(runner, contexts: list[list[int]], steps: int, tokens_per_step: 
             cache.free_sequence(seq_id)
 
 
-def measure_step_costs(target: str, draft: str | None, contexts: list[list[int]], batch_sizes: Sequence[int],
-                       k: int, steps: int = 30, kv_cache_blocks: int = 256) -> dict:
-    """Per-step seconds of the target and the draft in specdec's runtime, and c = draft / target.
+def measure_step_costs(target: str, draft: str | None, contexts_by_set: dict[str, list[list[int]]],
+                       batch_sizes: Sequence[int], k: int, steps: int = 30, kv_cache_blocks: int = 256) -> dict:
+    """Per-step seconds of the target and the draft in specdec's runtime, and c = draft / target,
+    for each prompt set: {set name: {"steps_timed": ..., "by_batch": {"1": {...}, ...}}}.
 
-    One decode step = one new token per sequence at the benchmark's context lengths (the prompts).
-    Also the cost of a (K+1)-token verify pass relative to a 1-token step, which the formula
-    assumes to be 1.
+    One decode step = one new token per sequence at the benchmark's context lengths (the set's
+    prompts). Also the cost of a (K+1)-token verify pass relative to a 1-token step, which the
+    formula assumes to be 1.
     """
     from specdec.config import WorkerConfig
     from specdec.model.runner import ModelRunner
@@ -351,18 +397,20 @@ def measure_step_costs(target: str, draft: str | None, contexts: list[list[int]]
     config = WorkerConfig(kv_cache_blocks=kv_cache_blocks)
     target_runner = ModelRunner.load(config, target)
     draft_runner = ModelRunner.load(config, draft) if draft else None
-    out: dict = {"steps_timed": steps, "by_batch": {}}
-    for b in batch_sizes:
-        ctx = [contexts[i % len(contexts)] for i in range(b)]
-        t_target, min_target = _time_steps(target_runner, ctx, steps)
-        t_verify, min_verify = _time_steps(target_runner, ctx, steps, tokens_per_step=k + 1)
-        entry = {"target_step_s": t_target, "target_verify_pass_s": t_verify,
-                 "verify_pass_over_step": t_verify / t_target, "verify_tokens": k + 1,
-                 "min_target_step_s": min_target, "min_target_verify_pass_s": min_verify}
-        if draft_runner is not None:
-            t_draft, min_draft = _time_steps(draft_runner, ctx, steps)
-            entry.update(draft_step_s=t_draft, c=t_draft / t_target, min_draft_step_s=min_draft,
-                         c_from_min=min_draft / min_target)
-        out["by_batch"][str(b)] = entry
-    return out
-
+    by_set: dict = {}
+    for name, contexts in contexts_by_set.items():
+        out: dict = {"steps_timed": steps, "by_batch": {}}
+        for b in batch_sizes:
+            ctx = [contexts[i % len(contexts)] for i in range(b)]
+            t_target, min_target = _time_steps(target_runner, ctx, steps)
+            t_verify, min_verify = _time_steps(target_runner, ctx, steps, tokens_per_step=k + 1)
+            entry = {"target_step_s": t_target, "target_verify_pass_s": t_verify,
+                     "verify_pass_over_step": t_verify / t_target, "verify_tokens": k + 1,
+                     "min_target_step_s": min_target, "min_target_verify_pass_s": min_verify}
+            if draft_runner is not None:
+                t_draft, min_draft = _time_steps(draft_runner, ctx, steps)
+                entry.update(draft_step_s=t_draft, c=t_draft / t_target, min_draft_step_s=min_draft,
+                             c_from_min=min_draft / min_target)
+            out["by_batch"][str(b)] = entry
+        by_set[name] = out
+    return by_set

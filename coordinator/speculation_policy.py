@@ -1,0 +1,169 @@
+"""How many tokens each running request drafts this round: K from 0 (plain decoding) up to its cap.
+
+Terms:
+- alpha: per-token acceptance, the chance the target keeps a draft token once the ones before it
+  were kept. A round of K commits on average E(alpha, K) = 1 + alpha + ... + alpha^K tokens
+  (the last one the target's own), so the value of a request's k-th draft token is alpha^k.
+- a request's alpha estimate: its own accepted / tested draft tokens (tested = the accepted ones
+  plus the first rejected one), both decayed by DECAY per round, plus a prior worth PRIOR_WEIGHT
+  tokens. The prior is the drafter's recent acceptance over all requests of the same kind
+  (greedy or sampled).
+- round time: RoundCosts' prediction for the whole batch (draft steps, verify pass, overhead).
+
+The batch choice maximises expected committed tokens per second, sum_i E_i / round time, over a
+family of candidates: K_i = #{k <= cap_i : alpha_i^k >= theta} for every threshold theta among the
+requests' own alpha_i^k values (theta above all of them: everyone decodes plainly). At an optimum
+every kept token is worth more than its marginal cost, and that cost is nearly the same for every
+request of a round, so a common threshold is where the optimum lies; evaluating each candidate's
+full predicted time takes care of the draft steps that requests share.
+
+Seeded sampled requests are the exception. Which random draws decide a token depends on K (a
+token proposed and accepted uses other draws than one sampled plainly), so a seeded request's K
+must be a function of its own history only, never of timings or batch mates: it maximises its own
+E / cost with fixed reference costs (a draft step costs the draft/target parameter ratio of a
+target step, each verified token REFERENCE_VERIFY_TOKEN_COST), from a constant prior.
+
+Probing: at K = 0 a request learns nothing about acceptance, so after `probe_after` rounds at 0
+it drafts PROBE_K tokens once; a probe that does not bring it back doubles the wait.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.round_costs import RoundCosts
+from coordinator.round_report import RoundReport
+
+DECAY = 0.8  # weight of last round's evidence relative to this round's
+PRIOR_WEIGHT = 2.0  # tested tokens the prior counts for
+SEEDED_PRIOR = 0.6  # the constant prior of seeded sampled requests
+REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests)
+PROBE_K = 2
+PROBE_AFTER, MAX_PROBE_AFTER = 8, 64
+_ALPHA_MAX = 0.999  # keeps E finite and the log-threshold algebra away from alpha = 1
+
+
+@dataclass(frozen=True)
+class PolicyRequest:
+    req_id: str
+    cap: int  # the most this request may draft this round (its max, near-end and context limits)
+    greedy: bool
+    seeded: bool  # a seeded sampled request: K from its own history only
+
+
+@dataclass
+class _Evidence:
+    accepted: float = 0.0
+    tested: float = 0.0
+    rounds_at_zero: int = 0
+    probe_after: int = PROBE_AFTER
+
+    def add(self, accepted: int, tested: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.tested = DECAY * self.tested + tested
+
+    def alpha(self, prior: float) -> float:
+        estimate = (PRIOR_WEIGHT * prior + self.accepted) / (PRIOR_WEIGHT + self.tested)
+        return min(max(estimate, 0.0), _ALPHA_MAX)
+
+
+def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha), elementwise (alpha < 1)."""
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class SpeculationPolicy:
+    def __init__(self, costs: RoundCosts, reference_draft_cost: float, initial_prior: float = 0.6):
+        self.costs = costs
+        self.reference_draft_cost = reference_draft_cost  # draft step / target step, seeded requests
+        self._evidence: dict[str, _Evidence] = {}
+        # The drafter's recent acceptance, greedy and sampled, as the prior of new requests.
+        self._global = {True: _Evidence(), False: _Evidence()}
+        self._initial_prior = initial_prior
+
+    # -- estimates ------------------------------------------------------------------------------
+    def prior(self, request: PolicyRequest) -> float:
+        if request.seeded:
+            return SEEDED_PRIOR
+        return self._global[request.greedy].alpha(self._initial_prior)
+
+    def alpha(self, request: PolicyRequest) -> float:
+        return self._evidence.setdefault(request.req_id, _Evidence()).alpha(self.prior(request))
+
+    def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
+        """Fold a round's outcomes into the estimates (`greedy`: req_id -> greedy request)."""
+        for update in report.updates:
+            if update.finished:
+                self._evidence.pop(update.req_id, None)
+            if update.proposed == 0:
+                continue
+            tested = update.accepted + (1 if update.accepted < update.proposed else 0)
+            if not update.finished:
+                self._evidence.setdefault(update.req_id, _Evidence()).add(update.accepted, tested)
+            if update.req_id in greedy:
+                self._global[greedy[update.req_id]].add(update.accepted, tested)
+        self.costs.observe(report)
+
+    def forget(self, req_id: str) -> None:
+        self._evidence.pop(req_id, None)
+
+    # -- the choice -----------------------------------------------------------------------------
+    def choose(self, requests: list[PolicyRequest]) -> list[int]:
+        if not requests:
+            return []
+        caps = np.array([max(r.cap, 0) for r in requests])
+        alphas = np.array([self.alpha(r) for r in requests])
+        seeded = np.array([r.seeded for r in requests])
+        chosen = np.zeros(len(requests), dtype=np.int64)
+        chosen[seeded] = [self._own_choice(a, c) for a, c in zip(alphas[seeded], caps[seeded])]
+        free = ~seeded & (caps > 0)
+        if free.any():
+            chosen[free] = self._batch_choice(alphas, caps, chosen, free)
+        return [self._with_probe(r, int(k)) for r, k in zip(requests, chosen)]
+
+    def _own_choice(self, alpha: float, cap: int) -> int:
+        ks = np.arange(cap + 1)
+        cost = 1.0 + ks * (self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST)
+        return int(np.argmax(expected_tokens(np.full(len(ks), alpha), ks) / cost))
+
+    def _batch_choice(self, alphas: np.ndarray, caps: np.ndarray, fixed: np.ndarray, free: np.ndarray) -> np.ndarray:
+        """K of the `free` requests maximising sum E / round time; the others keep `fixed`."""
+        top = int(caps[free].max())
+        ks = np.arange(1, top + 1)
+        values = alphas[free, None] ** ks[None, :]  # [F, top]: the worth of each draft token
+        values[ks[None, :] > caps[free, None]] = -1.0  # beyond a cap: never taken
+        thresholds = np.concatenate([np.unique(values[values > 0]), [np.inf]])
+        candidates = (values[None, :, :] >= thresholds[:, None, None]).sum(axis=2)  # [C, F]
+        everyone = np.broadcast_to(fixed, (len(thresholds), len(fixed))).copy()
+        everyone[:, free] = candidates
+        rates = self._rates(alphas, everyone)
+        return candidates[int(np.argmax(rates))]
+
+    def _rates(self, alphas: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        """Expected committed tokens per predicted second for each candidate row of ks [C, B]."""
+        batch = ks.shape[1]
+        tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
+        costs = self.costs
+        per_seq = ks.mean(axis=1) + 1
+        grid_t = np.arange(1, int(per_seq.max()) + 2)
+        verify = np.interp(per_seq, grid_t, [costs.verify_seconds(batch, t) for t in grid_t])
+        deepest = int(ks.max())
+        drafting = (ks[:, :, None] > np.arange(deepest)[None, None, :]).sum(axis=1)  # [C, steps]
+        step_cost = np.interp(drafting, costs.batch_sizes, costs.draft_step) * (drafting > 0)
+        draft = (step_cost.sum(axis=1) + costs.draft_call_seconds * (ks.max(axis=1) > 0)) * costs.draft_scale
+        return tokens / (verify + draft + costs.overhead_seconds)
+
+    def _with_probe(self, request: PolicyRequest, k: int) -> int:
+        evidence = self._evidence.setdefault(request.req_id, _Evidence())
+        if k > 0:  # speculating on its own merits (again)
+            evidence.rounds_at_zero, evidence.probe_after = 0, PROBE_AFTER
+            return k
+        if request.cap == 0:
+            return 0
+        evidence.rounds_at_zero += 1
+        if evidence.rounds_at_zero < evidence.probe_after:
+            return 0
+        evidence.rounds_at_zero = 0
+        evidence.probe_after = min(2 * evidence.probe_after, MAX_PROBE_AFTER)
+        return min(PROBE_K, request.cap)

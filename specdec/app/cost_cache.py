@@ -1,0 +1,65 @@
+"""Round costs measured once per model pair, device and transport, kept on disk.
+
+The adaptive policy needs what rounds cost on this machine (coordinator.round_costs); measuring
+takes a few seconds, so the result is stored under $SPECDEC_CACHE_DIR (default ~/.cache/specdec)
+keyed by everything that changes it: both checkpoints (path, size and time of every weight file),
+device, dtype, threads, the batch and K limits, in process or over gRPC, torch and the CPU. The
+scheduler keeps correcting the figures from every round it runs, so a stale entry only starts
+the policy off a little wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from coordinator.round_costs import RoundCosts
+from specdec.config import ServiceConfig
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
+
+
+def _checkpoint_fingerprint(path: str | None) -> list:
+    if path is None or not Path(path).exists():
+        return [path]
+    files = sorted(p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".json", ".gguf"))
+    return [str(Path(path).resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def cost_cache_path(config: ServiceConfig, transport: str) -> Path:
+    key = json.dumps([
+        _checkpoint_fingerprint(config.target.model), _checkpoint_fingerprint(config.draft.model),
+        [config.target.device, config.target.resolved_dtype, config.target.num_threads],
+        [config.draft.device, config.draft.resolved_dtype, config.draft.num_threads],
+        [config.scheduler.max_batch_size, config.scheduler.num_speculative_tokens, transport],
+        [torch.__version__, torch.get_num_threads(), os.cpu_count(), platform.machine(), platform.processor()],
+    ], default=str)
+    return cache_dir() / f"round-costs-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def load_costs(config: ServiceConfig, transport: str) -> RoundCosts | None:
+    path = cost_cache_path(config, transport)
+    try:
+        return RoundCosts.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def save_costs(config: ServiceConfig, transport: str, costs: RoundCosts) -> None:
+    path = cost_cache_path(config, transport)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(costs.to_json()))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home must not stop the service
+        log.warning("could not cache round costs in %s: %s", path, e)

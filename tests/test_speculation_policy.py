@@ -1,0 +1,137 @@
+"""The speculation policy on its own: K per request from acceptance and round costs, probing,
+and the seeded requests' rule that depends on their own history only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.round_costs import RoundCosts
+from coordinator.round_report import RequestUpdate, RoundReport
+from coordinator.speculation_policy import (
+    PROBE_AFTER,
+    PROBE_K,
+    PolicyRequest,
+    SpeculationPolicy,
+    expected_tokens,
+)
+
+
+def costs(draft_step=0.05, verify_slope=0.05, batch_slope=0.0) -> RoundCosts:
+    """A target step costs 1 at batch 1 (+ batch_slope per extra sequence); each extra verified
+    token per sequence costs verify_slope (x batch); a draft step draft_step."""
+    batches, tokens = [1, 8, 32], [1, 2, 6, 9]
+    grid = [[1.0 + batch_slope * (b - 1) + verify_slope * b * (t - 1) for t in tokens] for b in batches]
+    return RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid,
+                      draft_step=[draft_step] * len(batches))
+
+
+def outcome(req_id: str, proposed: int, accepted: int, asked: int | None = None) -> RequestUpdate:
+    return RequestUpdate(req_id=req_id, token_ids=[1] * (accepted + 1), text="", proposed=proposed,
+                         accepted=accepted, num_speculative_tokens=proposed if asked is None else asked)
+
+
+def observe(policy: SpeculationPolicy, updates: list[RequestUpdate], greedy: bool = True) -> None:
+    policy.observe(RoundReport(updates=updates, ran=True), {u.req_id: greedy for u in updates})
+
+
+def greedy(req_id: str, cap: int = 5) -> PolicyRequest:
+    return PolicyRequest(req_id, cap, greedy=True, seeded=False)
+
+
+def test_expected_tokens_formula():
+    a = np.array([0.0, 0.5, 0.9])
+    assert expected_tokens(a, np.array([3, 3, 3])).tolist() == pytest.approx([1.0, 1.875, 3.439])
+
+
+def test_well_accepted_drafts_on_cheap_steps_take_the_cap():
+    policy = SpeculationPolicy(costs(), reference_draft_cost=0.1)
+    for _ in range(5):
+        observe(policy, [outcome("a", 5, 5)])
+    assert policy.choose([greedy("a")]) == [5]
+    assert policy.choose([greedy("a", cap=2)]) == [2]  # never above the cap
+
+
+def test_drafts_that_keep_failing_fall_back_to_plain_decoding_then_probe_and_return():
+    policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
+    for _ in range(6):
+        observe(policy, [outcome("a", 3, 0)])
+    ks = [policy.choose([greedy("a")])[0] for _ in range(PROBE_AFTER)]
+    assert ks[:-1] == [0] * (PROBE_AFTER - 1)  # plain decoding...
+    assert ks[-1] == PROBE_K  # ...until a probe
+    for _ in range(4):  # the probe finds the drafts good now: speculation comes back
+        observe(policy, [outcome("a", PROBE_K, PROBE_K)])
+    assert all(k > 0 for k in (policy.choose([greedy("a")])[0] for _ in range(2 * PROBE_AFTER)))
+
+
+def test_failed_probes_wait_longer_each_time():
+    policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
+    probes = []
+    for round_index in range(3 * PROBE_AFTER + 2 * PROBE_AFTER):
+        k = policy.choose([greedy("a")])[0]
+        if k:
+            probes.append(round_index)
+            observe(policy, [outcome("a", k, 0)])
+    assert len(probes) >= 2 and probes[1] - probes[0] > probes[0]  # the wait doubled
+
+
+def test_requests_in_one_batch_get_their_own_k():
+    policy = SpeculationPolicy(costs(draft_step=0.02, verify_slope=0.08), reference_draft_cost=0.1)
+    for _ in range(6):
+        observe(policy, [outcome("good", 5, 5), outcome("poor", 5, 0), outcome("mid", 5, 2)])
+    ks = dict(zip(["good", "poor", "mid"], policy.choose([greedy("good"), greedy("poor"), greedy("mid")])))
+    assert ks["good"] > ks["mid"] > ks["poor"] == 0
+
+
+def test_k_falls_as_verified_tokens_get_dearer_with_the_batch():
+    """At batch 1 an extra verified token is nearly free; at batch 32 it costs as much as the
+    others' tokens: the same acceptance deserves a shorter draft."""
+    policy = SpeculationPolicy(costs(draft_step=0.02, verify_slope=0.02, batch_slope=0.1), reference_draft_cost=0.1)
+    names = [f"r{i}" for i in range(32)]
+    for _ in range(6):
+        observe(policy, [outcome(n, 5, 3) for n in names])
+    alone = policy.choose([greedy("r0")])[0]
+    crowded = policy.choose([greedy(n) for n in names])
+    assert alone > max(crowded) > 0
+
+
+def test_the_prior_comes_from_the_drafters_recent_acceptance():
+    policy = SpeculationPolicy(costs(draft_step=0.2), reference_draft_cost=0.1)
+    for i in range(10):  # other requests found the drafter useless
+        observe(policy, [outcome(f"old{i}", 5, 0)])
+    newcomer = greedy("new")
+    assert policy.alpha(newcomer) < 0.2 and policy.choose([newcomer]) == [0]
+
+
+def test_seeded_requests_choose_from_their_own_history_only():
+    """Timings, batch mates and the drafter's global record must not move a seeded request's K:
+    the same own history gives the same K sequence whatever else happens."""
+    def run(policy: SpeculationPolicy, company: int) -> list[int]:
+        seeded = PolicyRequest("s", 5, greedy=False, seeded=True)
+        others = [PolicyRequest(f"o{i}", 5, greedy=False, seeded=False) for i in range(company)]
+        ks = []
+        for round_index in range(30):
+            k = policy.choose([seeded] + others)[0]
+            ks.append(k)
+            accepted = min(k, round_index % 4)  # the request's own (deterministic) outcomes
+            observe(policy, [outcome("s", k, accepted)] + [outcome(o.req_id, 5, 0) for o in others], greedy=False)
+        return ks
+
+    alone = run(SpeculationPolicy(costs(), reference_draft_cost=0.1), company=0)
+    busy = run(SpeculationPolicy(costs(draft_step=0.5, verify_slope=0.3), reference_draft_cost=0.1), company=12)
+    assert alone == busy
+    assert len(set(alone)) > 1  # and it does adapt, to its own acceptance
+
+
+def test_round_costs_interpolate_and_follow_measurements():
+    c = costs(draft_step=0.05, verify_slope=0.1)
+    assert c.verify_seconds(1, 1) == pytest.approx(1.0)
+    assert c.verify_seconds(1, 4) == pytest.approx(1.3)  # between grid points
+    assert c.verify_seconds(1, 12) == pytest.approx(2.1)  # beyond the grid: the last slope
+    assert c.draft_seconds([2, 2, 1]) == pytest.approx(0.15) and c.draft_seconds([]) == 0.0
+    slow = RoundReport(updates=[outcome("a", 1, 1, asked=1)], ran=True, verify_seconds=2 * c.verify_seconds(1, 2),
+                       draft_seconds=2 * c.draft_seconds([1]), total_seconds=10.0)
+    for _ in range(60):
+        c.observe(slow)
+    assert c.verify_scale == pytest.approx(2.0, rel=0.01) and c.draft_scale == pytest.approx(2.0, rel=0.01)
+    assert c.overhead_seconds == pytest.approx(10.0 - 2 * 1.1 - 2 * 0.05, rel=0.01)
+    assert RoundCosts.from_json(c.to_json()).verify_scale == 1.0  # corrections are not cached

@@ -39,24 +39,41 @@ class RoundCosts:
     draft_scale: float = 1.0
     rounds_seen: int = field(default=0, compare=False)
 
-    def verify_seconds(self, batch: float, tokens_per_seq: float) -> float:
-        """Bilinear interpolation (linear extrapolation in tokens beyond the grid)."""
-        b = np.asarray(self.batch_sizes, dtype=np.float64)
-        t = np.asarray(self.verify_tokens, dtype=np.float64)
-        grid = np.asarray(self.verify_grid)
-        by_batch = np.array([np.interp(batch, b, grid[:, j]) for j in range(len(t))])
-        value = np.interp(tokens_per_seq, t, by_batch)
-        if tokens_per_seq > t[-1] and len(t) > 1:  # beyond the grid: keep the last slope
-            value = by_batch[-1] + (tokens_per_seq - t[-1]) * (by_batch[-1] - by_batch[-2]) / (t[-1] - t[-2])
-        return float(value) * self.verify_scale
+    def __post_init__(self) -> None:
+        # Costs only grow with batch and tokens; forcing that irons out noise in the measurements.
+        grid = np.maximum.accumulate(np.maximum.accumulate(np.asarray(self.verify_grid, dtype=np.float64), 0), 1)
+        self._grid, self._batches = grid, np.asarray(self.batch_sizes, dtype=np.float64)
+        self._tokens = np.asarray(self.verify_tokens, dtype=np.float64)
+        self._draft = np.maximum.accumulate(np.asarray(self.draft_step, dtype=np.float64))
+
+    def verify_row(self, batch: float) -> np.ndarray:
+        """Unscaled verify seconds at this batch size for each of verify_tokens."""
+        b = self._batches
+        i = int(np.clip(np.searchsorted(b, batch) - 1, 0, max(len(b) - 2, 0)))
+        if len(b) == 1:
+            return self._grid[0]
+        w = min(max((batch - b[i]) / (b[i + 1] - b[i]), 0.0), 1.0)
+        return (1 - w) * self._grid[i] + w * self._grid[i + 1]
+
+    def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray) -> float | np.ndarray:
+        """Bilinear interpolation, linear extrapolation in tokens beyond the grid."""
+        row, t = self.verify_row(batch), self._tokens
+        value = np.interp(tokens_per_seq, t, row)
+        if len(t) > 1:  # beyond the grid: keep the last slope
+            slope = (row[-1] - row[-2]) / (t[-1] - t[-2])
+            value = np.where(np.asarray(tokens_per_seq) > t[-1], row[-1] + (tokens_per_seq - t[-1]) * slope, value)
+        return value * self.verify_scale if np.ndim(value) else float(value) * self.verify_scale
+
+    def draft_step_seconds(self, sequences: np.ndarray) -> np.ndarray:
+        """Unscaled seconds of draft steps advancing that many sequences each (0: no step)."""
+        return np.interp(sequences, self._batches, self._draft) * (np.asarray(sequences) > 0)
 
     def draft_seconds(self, steps: list[int] | np.ndarray) -> float:
         """A draft call whose step s advances steps[s] sequences (0 steps: no call)."""
-        steps = [n for n in steps if n > 0]
-        if not steps:
+        steps = np.asarray([n for n in steps if n > 0])
+        if not steps.size:
             return 0.0
-        per_step = np.interp(steps, self.batch_sizes, self.draft_step)
-        return (self.draft_call_seconds + float(per_step.sum())) * self.draft_scale
+        return (self.draft_call_seconds + float(self.draft_step_seconds(steps).sum())) * self.draft_scale
 
     def observe(self, report: RoundReport) -> None:
         """Fold a round's measured times into the corrections."""
@@ -93,52 +110,68 @@ def measurement_grid(max_batch_size: int, max_speculative_tokens: int) -> tuple[
     return batches, tokens
 
 
+def _timed_round(target: TargetClient, draft: DraftClient | None, unsent: dict[str, list[int]], k: int,
+                 params: SamplingParams, rng: np.random.Generator, vocab_size: int) -> tuple[float, float]:
+    """One round over every request in `unsent` (req_id -> tokens the drafter has not seen):
+    (seconds drafting k tokens each, seconds verifying k + 1 tokens each)."""
+    start = time.perf_counter()
+    proposals = {}
+    if draft is not None and k > 0:
+        tasks = [DraftTask(r, tokens, k, params) for r, tokens in unsent.items()]
+        proposals = {p.req_id: p.tokens for p in draft.propose(tasks, [])}
+        for tokens in unsent.values():
+            tokens.clear()
+    drafted = time.perf_counter()
+    # Padded to k tokens: the pass is timed with k + 1 per sequence whatever the drafter found.
+    drafts = {r: (proposals.get(r, []) + [int(x) for x in rng.integers(0, vocab_size, k)])[:k] for r in unsent}
+    result = target.verify([VerifyTask(r, [], drafts[r], None, params) for r in unsent], [])
+    for outcome in result.outcomes:
+        unsent[outcome.req_id] += outcome.tokens
+    return drafted - start, time.perf_counter() - drafted
+
+
 def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq_len: int, max_batch_size: int,
-                        max_speculative_tokens: int, repeats: int = 3) -> RoundCosts:
-    """Time verify passes and draft steps over a grid of batch sizes and draft lengths, with
-    throw-away greedy requests (ids "calibrate-<batch>-<i>"; every one is released). Batch sizes
-    whose sequences would not fit the target's KV cache are left out of the grid."""
+                        max_speculative_tokens: int, repeats: int = 4) -> RoundCosts:
+    """Time real rounds over a grid of batch sizes and draft lengths: the drafter proposes for
+    throw-away greedy requests (ids "calibrate-<batch>-<i>"), the target verifies, the committed
+    tokens go back to the drafter, as in serving. Interleaving matters: a draft step right after a
+    target pass runs with the target's weights in the caches, about twice as slow as back-to-back
+    draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Batch sizes
+    whose sequences would not fit the target's KV cache are left out; every request is released."""
     info = target.info()
     batches, tokens = measurement_grid(max_batch_size, max_speculative_tokens)
-    growth = repeats * len(tokens) + tokens[-1] + 1  # each timed pass commits at least one token
+    growth = (repeats + 1) * sum(tokens) + 1  # at most t tokens committed per timed round
     room = info.kv_blocks_total * info.kv_block_size // batches[-1] - 2 * info.kv_block_size
     while batches[1:] and room < growth + 1:  # the largest batches do not fit: measure fewer
         batches.pop()
         room = info.kv_blocks_total * info.kv_block_size // batches[-1] - 2 * info.kv_block_size
+    while repeats > 1 and min(room, max_seq_len) < growth + 8:  # a small model: fewer repeats
+        repeats -= 1
+        growth = (repeats + 1) * sum(tokens) + 1
     prompt_tokens = max(1, min(32, max_seq_len - growth, room - growth))
-    vocab_size = info.vocab_size
     params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
     rng = np.random.default_rng(0)
     grid, draft_step, draft_call = [], [], []
     for b in batches:
         ids = [f"calibrate-{b}-{i}" for i in range(b)]
-        prompts = [[int(t) for t in rng.integers(0, vocab_size, prompt_tokens)] for _ in ids]
+        unsent = {r: [int(t) for t in rng.integers(0, info.vocab_size, prompt_tokens)] for r in ids}
         try:
-            target.verify([VerifyTask(r, p, [], None, params) for r, p in zip(ids, prompts)], [])  # prefill
-            row = []
+            prefill = target.verify([VerifyTask(r, unsent[r], [], None, params) for r in ids], [])
+            for outcome in prefill.outcomes:  # the drafter has not seen any of it yet
+                unsent[outcome.req_id] += outcome.tokens
+
+            row, draft_times = [], {}
             for t in tokens:
-                times = []
-                for _ in range(repeats):
-                    tasks = [VerifyTask(r, [], [int(x) for x in rng.integers(0, vocab_size, t - 1)], None, params)
-                             for r in ids]
-                    start = time.perf_counter()
-                    target.verify(tasks, [])
-                    times.append(time.perf_counter() - start)
-                row.append(float(np.median(times)))
+                timed = [_timed_round(target, draft, unsent, t - 1, params, rng, info.vocab_size)
+                         for _ in range(repeats + 1)][1:]  # the first is a warm-up
+                row.append(min(v for _, v in timed))
+                draft_times[t - 1] = min(d for d, _ in timed)
             grid.append(row)
             if draft is not None:
-                draft.propose([DraftTask(r, p, 0, params) for r, p in zip(ids, prompts)], [])
-                steps = max(max_speculative_tokens, 2)
-                timed = {1: [], steps: []}
-                for _ in range(repeats):
-                    for k, record in timed.items():
-                        start = time.perf_counter()
-                        draft.propose([DraftTask(r, [], k, params) for r in ids], [])
-                        record.append(time.perf_counter() - start)
-                one, many = float(np.median(timed[1])), float(np.median(timed[steps]))
-                per_step = max((many - one) / (steps - 1), 0.0)
+                deepest = tokens[-1] - 1
+                per_step = max((draft_times[deepest] - draft_times[1]) / max(deepest - 1, 1), 0.0)
                 draft_step.append(per_step)
-                draft_call.append(max(one - per_step, 0.0))
+                draft_call.append(max(draft_times[1] - per_step, 0.0))
             else:
                 draft_step.append(0.0)
         finally:

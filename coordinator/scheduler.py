@@ -178,11 +178,14 @@ class Scheduler:
         start = time.perf_counter()
         report = RoundReport(updates=self._expire_deadlines())
         self._admit()
+        greedy = {req_id: run.request.params.greedy for req_id, run in self.running.items()}
         if self.running:
             self._run_round(report)
         else:
             self._flush_releases()
         report.total_seconds = time.perf_counter() - start
+        if self.policy is not None and report.ran:
+            self.policy.observe(report, greedy)
         report.queue_depth, report.running = len(self.waiting), len(self.running)
         report.kv_blocks_used, report.kv_blocks_total = self.kv_blocks_used, self.target_info.kv_blocks_total
         return report
@@ -241,8 +244,6 @@ class Scheduler:
             update.num_speculative_tokens = asked[outcome.req_id]
             update.proposed, update.accepted = proposed, outcome.num_accepted
             report.updates.append(update)
-        if self.policy is not None:
-            self.policy.observe(report, {r.request.req_id: r.request.params.greedy for r in runs})
 
     def _draft_round(self, runs: list[RunningRequest], asked: dict[str, int]) -> dict[str, DraftProposal]:
         """One draft call, only when some request drafts this round or releases are due; tokens

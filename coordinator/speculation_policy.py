@@ -142,17 +142,12 @@ class SpeculationPolicy:
 
     def _rates(self, alphas: np.ndarray, ks: np.ndarray) -> np.ndarray:
         """Expected committed tokens per predicted second for each candidate row of ks [C, B]."""
-        batch = ks.shape[1]
-        tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
         costs = self.costs
-        per_seq = ks.mean(axis=1) + 1
-        grid_t = np.arange(1, int(per_seq.max()) + 2)
-        verify = np.interp(per_seq, grid_t, [costs.verify_seconds(batch, t) for t in grid_t])
-        deepest = int(ks.max())
-        drafting = (ks[:, :, None] > np.arange(deepest)[None, None, :]).sum(axis=1)  # [C, steps]
-        step_cost = np.interp(drafting, costs.batch_sizes, costs.draft_step) * (drafting > 0)
-        draft = (step_cost.sum(axis=1) + costs.draft_call_seconds * (ks.max(axis=1) > 0)) * costs.draft_scale
-        return tokens / (verify + draft + costs.overhead_seconds)
+        tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
+        verify = costs.verify_seconds(ks.shape[1], ks.mean(axis=1) + 1)
+        drafting = (ks[:, :, None] > np.arange(int(ks.max()))[None, None, :]).sum(axis=1)  # [C, steps]
+        draft = costs.draft_step_seconds(drafting).sum(axis=1) + costs.draft_call_seconds * (ks.max(axis=1) > 0)
+        return tokens / (verify + draft * costs.draft_scale + costs.overhead_seconds)
 
     def _with_probe(self, request: PolicyRequest, k: int) -> int:
         evidence = self._evidence.setdefault(request.req_id, _Evidence())

@@ -25,6 +25,7 @@ from specdec.sampling import (
     top_entries,
     uniforms,
 )
+from specdec.sampling.transforms import LARGEST_LOGIT, MIN_TEMPERATURE
 
 
 @dataclass
@@ -49,21 +50,34 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
     logits: [N, V]; contexts[r]: row r's tokens so far, so len(contexts[r]) is the position of the
     token it picks. A sampled row's q is its top max_q_entries probabilities, renormalised, and the
     token is drawn from exactly that q with the request's DRAFT uniform at that position: the q
-    sent to the target is the distribution the token came from.
+    sent to the target is the distribution the token came from (any q would keep the method exact;
+    a close one keeps acceptance high).
     """
     needs_presence = any(p.repetition_penalty != 1.0 for p in params)
     if all(p.greedy for p in params) and not needs_presence:
         return logits.argmax(dim=-1), {}
-    presence = presence_mask(contexts, logits.shape[-1], logits.device) if needs_presence else None
-    probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
-    tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens, {}
-    ids, q = top_entries(probs[rows], max_q_entries)  # [S, n]
+    if not needs_presence and all(params[i].top_p == 1.0 for i in rows):
+        # Temperature (and top-k) only: the top entries of softmax(logits / T) are the softmax of
+        # the top logits, so the full-vocabulary softmax is never needed.
+        tokens = logits.argmax(dim=-1)
+        width = min(max_q_entries or logits.shape[-1], logits.shape[-1])
+        width = min(width, max(params[i].top_k or width for i in rows))
+        temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
+        scaled = logits[rows].float() / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)
+        top, ids = torch.topk(scaled.clamp(-LARGEST_LOGIT, LARGEST_LOGIT), width, dim=-1)
+        limits = torch.tensor([params[i].top_k or width for i in rows], device=logits.device)[:, None]
+        q = torch.softmax(top.masked_fill(torch.arange(width, device=logits.device)[None, :] >= limits,
+                                          float("-inf")), dim=-1)
+    else:
+        presence = presence_mask(contexts, logits.shape[-1], logits.device) if needs_presence else None
+        probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
+        tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
+        if not rows:
+            return tokens, {}
+        ids, q = top_entries(probs[rows], max_q_entries)  # [S, n]
     u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT)
-    picked = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
-    tokens[rows] = picked
+    tokens[rows] = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
     return tokens, {row: (ids[i], q[i]) for i, row in enumerate(rows)}
 
 

@@ -18,10 +18,10 @@ from specdec.params import SamplingParams
 
 # Temperatures this small are greedy in all but name; the floor only keeps logits / temperature
 # finite (an inf logit would turn the softmax into NaN).
-_MIN_TEMPERATURE = 1e-6
+MIN_TEMPERATURE = 1e-6
 # Extreme but valid parameters (a repetition penalty of 1e-300) can still overflow a logit to inf;
 # clamped to the largest float32, the softmax stays a distribution (ties share the mass).
-_LARGEST = torch.finfo(torch.float32).max
+LARGEST_LOGIT = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -139,8 +139,8 @@ def probs_from_logits(
             return one_hot
 
     temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    temp = temp.to(logits.device).clamp(_MIN_TEMPERATURE, _LARGEST)  # 1e300 as float32 would be inf
-    scaled = (logits.clamp(-_LARGEST, _LARGEST) / temp[:, None]).clamp(-_LARGEST, _LARGEST)
+    temp = temp.to(logits.device).clamp(MIN_TEMPERATURE, LARGEST_LOGIT)  # 1e300 as float32 would be inf
+    scaled = (logits.clamp(-LARGEST_LOGIT, LARGEST_LOGIT) / temp[:, None]).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
     k = params.top_k.to(logits.device)
     k = torch.where(k <= 0, torch.full_like(k, V), k.clamp(max=V))
     if params.any_top_p:

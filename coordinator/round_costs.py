@@ -40,11 +40,12 @@ class RoundCosts:
     rounds_seen: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
-        # Costs only grow with batch and tokens; forcing that irons out noise in the measurements.
-        grid = np.maximum.accumulate(np.maximum.accumulate(np.asarray(self.verify_grid, dtype=np.float64), 0), 1)
-        self._grid, self._batches = grid, np.asarray(self.batch_sizes, dtype=np.float64)
+        # Measured as is, not forced monotone: on a CPU a 2- to 4-row product can be slower than a
+        # 6-row one (the BLAS picks another kernel), so verifying 5 tokens may cost less than 3.
+        self._grid = np.asarray(self.verify_grid, dtype=np.float64)
+        self._batches = np.asarray(self.batch_sizes, dtype=np.float64)
         self._tokens = np.asarray(self.verify_tokens, dtype=np.float64)
-        self._draft = np.maximum.accumulate(np.asarray(self.draft_step, dtype=np.float64))
+        self._draft = np.asarray(self.draft_step, dtype=np.float64)
 
     def verify_row(self, batch: float) -> np.ndarray:
         """Unscaled verify seconds at this batch size for each of verify_tokens."""
@@ -105,8 +106,10 @@ class RoundCosts:
 
 
 def measurement_grid(max_batch_size: int, max_speculative_tokens: int) -> tuple[list[int], list[int]]:
-    batches = sorted({min(b, max_batch_size) for b in (1, 2, 4, 8, 16, 32)})
-    tokens = sorted({1, 2, 3, max(1, max_speculative_tokens // 2) + 1, max_speculative_tokens + 1})
+    """Batch sizes in powers of two; every draft length up to 8, beyond that a spread of them."""
+    batches = sorted({min(b, max_batch_size) for b in (1, 2, 4, 8, 16, 32, 64)})
+    top = max_speculative_tokens + 1
+    tokens = list(range(1, top + 1)) if top <= 9 else sorted({*range(1, 8), top // 2, top})
     return batches, tokens
 
 

@@ -24,7 +24,8 @@ E / cost with fixed reference costs (a draft step costs the draft/target paramet
 target step, each verified token REFERENCE_VERIFY_TOKEN_COST), from a constant prior.
 
 Probing: at K = 0 a request learns nothing about acceptance, so after `probe_after` rounds at 0
-it drafts PROBE_K tokens once; a probe that does not bring it back doubles the wait.
+it drafts its full cap once (the most evidence a round can give); a probe that does not bring it
+back doubles the wait, up to MAX_PROBE_AFTER rounds.
 """
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ import numpy as np
 from coordinator.round_costs import RoundCosts
 from coordinator.round_report import RoundReport
 
-DECAY = 0.8  # weight of last round's evidence relative to this round's
-PRIOR_WEIGHT = 2.0  # tested tokens the prior counts for
+DECAY = 0.8  # weight of a request's last round's evidence relative to this round's
+GLOBAL_DECAY = 0.98  # the same for the drafter's record over all requests: a longer memory
+PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
 SEEDED_PRIOR = 0.6  # the constant prior of seeded sampled requests
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests)
-PROBE_K = 2
-PROBE_AFTER, MAX_PROBE_AFTER = 8, 64
+PROBE_AFTER, MAX_PROBE_AFTER = 4, 16
 _ALPHA_MAX = 0.999  # keeps E finite and the log-threshold algebra away from alpha = 1
 
 
@@ -54,14 +55,15 @@ class PolicyRequest:
 
 @dataclass
 class _Evidence:
+    decay: float = DECAY
     accepted: float = 0.0
     tested: float = 0.0
     rounds_at_zero: int = 0
     probe_after: int = PROBE_AFTER
 
     def add(self, accepted: int, tested: int) -> None:
-        self.accepted = DECAY * self.accepted + accepted
-        self.tested = DECAY * self.tested + tested
+        self.accepted = self.decay * self.accepted + accepted
+        self.tested = self.decay * self.tested + tested
 
     def alpha(self, prior: float) -> float:
         estimate = (PRIOR_WEIGHT * prior + self.accepted) / (PRIOR_WEIGHT + self.tested)
@@ -79,7 +81,7 @@ class SpeculationPolicy:
         self.reference_draft_cost = reference_draft_cost  # draft step / target step, seeded requests
         self._evidence: dict[str, _Evidence] = {}
         # The drafter's recent acceptance, greedy and sampled, as the prior of new requests.
-        self._global = {True: _Evidence(), False: _Evidence()}
+        self._global = {True: _Evidence(GLOBAL_DECAY), False: _Evidence(GLOBAL_DECAY)}
         self._initial_prior = initial_prior
 
     # -- estimates ------------------------------------------------------------------------------
@@ -161,4 +163,4 @@ class SpeculationPolicy:
             return 0
         evidence.rounds_at_zero = 0
         evidence.probe_after = min(2 * evidence.probe_after, MAX_PROBE_AFTER)
-        return min(PROBE_K, request.cap)
+        return request.cap

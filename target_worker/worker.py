@@ -25,6 +25,7 @@ from specdec.sampling import (
     presence_mask,
     probs_from_logits,
     random_seed,
+    sample_from_probs,
     speculative_verify,
     uniforms,
 )
@@ -156,6 +157,21 @@ class TargetWorker:
         alloc = self.cache.allocator
         return VerifyResult(outcomes=outcomes, kv_blocks_used=alloc.num_used, kv_blocks_total=alloc.num_blocks)
 
+    def _sample(self, seqs: list[_TargetSequence], logits: torch.Tensor) -> list[int]:
+        """One token per sequence from its last logits [B, V]: argmax, or a draw with its TARGET
+        uniform at the position (what speculative_verify does with nothing proposed)."""
+        params = [s.params for s in seqs]
+        presence = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            presence = presence_mask([s.tokens for s in seqs], logits.shape[-1], logits.device)
+        probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
+        tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            u = uniforms([seqs[i].seed for i in rows], [len(seqs[i].tokens) for i in rows], TARGET)
+            tokens[rows] = sample_from_probs(probs[rows], u)
+        return tokens.tolist()
+
     def _accept(self, tasks: list[VerifyTask], seqs: list[_TargetSequence], logits: list[torch.Tensor],
                 num_proposed: list[int]) -> tuple[list[int], list[int]]:
         """Accept/reject every sequence's draft at once; returns (num_accepted, next_token) lists."""
@@ -163,6 +179,8 @@ class TargetWorker:
         k_max = max(num_proposed)
         vocab = self.runner.vocab_size
         device = logits[0].device
+        if k_max == 0:  # nothing proposed: plain decoding, the target's own sample at each position
+            return [0] * len(tasks), self._sample(seqs, torch.cat(logits))
         padded = torch.stack([torch.nn.functional.pad(rows, (0, 0, 0, k_max + 1 - rows.shape[0])) for rows in logits])
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
             return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])

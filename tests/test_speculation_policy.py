@@ -9,7 +9,6 @@ from coordinator.round_costs import RoundCosts
 from coordinator.round_report import RequestUpdate, RoundReport
 from coordinator.speculation_policy import (
     PROBE_AFTER,
-    PROBE_K,
     PolicyRequest,
     SpeculationPolicy,
     expected_tokens,
@@ -57,9 +56,9 @@ def test_drafts_that_keep_failing_fall_back_to_plain_decoding_then_probe_and_ret
         observe(policy, [outcome("a", 3, 0)])
     ks = [policy.choose([greedy("a")])[0] for _ in range(PROBE_AFTER)]
     assert ks[:-1] == [0] * (PROBE_AFTER - 1)  # plain decoding...
-    assert ks[-1] == PROBE_K  # ...until a probe
+    assert ks[-1] == 5  # ...until a probe, which drafts the full cap
     for _ in range(4):  # the probe finds the drafts good now: speculation comes back
-        observe(policy, [outcome("a", PROBE_K, PROBE_K)])
+        observe(policy, [outcome("a", 5, 5)])
     assert all(k > 0 for k in (policy.choose([greedy("a")])[0] for _ in range(2 * PROBE_AFTER)))
 
 

@@ -71,7 +71,7 @@ class LlamaModel:
     def num_parameters(self) -> int:
         w = self.weights
         total = w.embed.numel() + w.final_norm.numel()
-        if w.lm_head.data_ptr() != w.embed.data_ptr():  # untied: a matrix of its own
+        if not w.tied:  # a matrix of its own (a tied head's copy holds no new parameters)
             total += w.lm_head.numel()
         for layer in w.layers:
             total += sum(t.numel() for t in vars(layer).values() if t is not None)

@@ -3,7 +3,8 @@
 Projection matrices are stored [in, out] (`x @ w`): on CPU a skinny product (one to a few dozen
 rows, as in decoding and verifying) runs about a third faster against a contiguous [in, out]
 matrix than against the checkpoint's [out, in] one (`F.linear`); on GPU it makes no difference.
-A tied LM head stays a transposed view of the embedding, so tying costs no second copy.
+A tied LM head is a transposed view of the embedding on GPU (no second copy); on CPU it gets a
+contiguous copy, since the one-row product against the view runs up to twice as slow.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [hidden, vocab]; a view of embed when the embeddings are tied
+    lm_head: torch.Tensor  # [hidden, vocab]; tied on GPU: a view of embed
+    tied: bool  # the LM head is the embedding (so counted once)
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -90,5 +92,8 @@ def build_weights(config: LlamaConfig, raw: dict[str, torch.Tensor], device: tor
         ))
     embed = take("embed_tokens.weight")
     tied = config.tie_word_embeddings or not any(k in raw for k in ("lm_head.weight", "model.lm_head.weight"))
-    lm_head = embed.t() if tied else in_out("lm_head.weight")
-    return ModelWeights(embed=embed, layers=layers, final_norm=take("norm.weight"), lm_head=lm_head)
+    if tied:
+        lm_head = embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t()
+    else:
+        lm_head = in_out("lm_head.weight")
+    return ModelWeights(embed=embed, layers=layers, final_norm=take("norm.weight"), lm_head=lm_head, tied=tied)

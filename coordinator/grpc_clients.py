@@ -85,8 +85,12 @@ class _WorkerClient:
 
     _service = ""  # "DraftWorker" | "TargetWorker"
 
-    def __init__(self, address: str, name: str):
+    def __init__(self, address: str, name: str, round_timeout: float | None = None):
         self._role = name
+        # A worker that does not answer a round in time (a stopped process, a wedged node) is
+        # treated as dead: the call is cancelled and the round raises WorkerUnavailable.
+        self.round_timeout = round_timeout
+        self.on_hang = None  # optional callable(): told when a round timed out (e.g. restart the worker)
         self._lock = threading.Lock()
         self._requests: queue.Queue | None = None
         self._call = None  # the open Rounds call; also the iterator of its replies
@@ -151,17 +155,32 @@ class _WorkerClient:
                 self._requests = queue.Queue()
                 self._call = self._rounds_method(_request_stream(self._requests))
             self._requests.put(request)
+            call = self._call
+            timer = None
+            if self.round_timeout is not None:
+                timer = threading.Timer(self.round_timeout, call.cancel)
+                timer.daemon = True
+                timer.start()
             try:
-                reply = next(self._call)
+                reply = next(call)
             except StopIteration:
                 self._drop_stream()
                 self._failed = True
                 raise _unavailable(self.name, "the worker closed the round stream") from None
             except grpc.RpcError as e:
                 self._drop_stream()
+                if timer is not None and not timer.is_alive() and e.code() == grpc.StatusCode.CANCELLED:
+                    self._failed = True
+                    if self.on_hang is not None:
+                        self.on_hang()
+                    raise _unavailable(self.name, f"no answer within {self.round_timeout:g}s "
+                                                  "(hung? treated as dead)") from None
                 error = _worker_error(e, self.name)
                 self._failed = isinstance(error, WorkerUnavailable)
                 raise error from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
             self.wire.rounds += 1
             self.wire.bytes_sent += len(request)
             self.wire.bytes_received += len(reply)
@@ -196,8 +215,8 @@ class _WorkerClient:
 class GrpcDraftClient(_WorkerClient):
     _service = "DraftWorker"
 
-    def __init__(self, address: str):
-        super().__init__(address, "draft")
+    def __init__(self, address: str, round_timeout: float | None = None):
+        super().__init__(address, "draft", round_timeout)
 
     def _make_stub(self, channel):
         return worker_pb2_grpc.DraftWorkerStub(channel)
@@ -215,8 +234,8 @@ class GrpcDraftClient(_WorkerClient):
 class GrpcTargetClient(_WorkerClient):
     _service = "TargetWorker"
 
-    def __init__(self, address: str):
-        super().__init__(address, "target")
+    def __init__(self, address: str, round_timeout: float | None = None):
+        super().__init__(address, "target", round_timeout)
 
     def _make_stub(self, channel):
         return worker_pb2_grpc.TargetWorkerStub(channel)

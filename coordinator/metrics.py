@@ -10,6 +10,8 @@ step's RoundReport. It records:
   minus the two worker calls (scheduling, stop strings, streaming), and `total`
 - queue depth, running requests, KV blocks used / total / usage fraction (gauges)
 - finished requests by reason (counter, tag `reason`) and per-request acceptance (histogram)
+- resumed requests by worker (counter: carried on after a lost worker came back) and whether each
+  worker answers (gauge `specdec_worker_up`, tag `worker`)
 - bytes on the wire to and from the workers, when given the gRPC clients' WireCounters (in-process
   workers have none): per round (histogram and last-round gauges, tags `direction` = sent |
   received and `worker` = draft | target | all) and cumulative (counter)
@@ -82,6 +84,10 @@ class _RayInstruments:
         self.accepted = counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted")
         self.rounds = counter("specdec_rounds", "Speculation rounds (one target forward pass each)")
         self.finished = counter("specdec_requests_finished", "Finished requests by finish reason", ("reason",))
+        self.resumed = counter("specdec_requests_resumed", "Requests carried on after a lost worker came back, "
+                               "by worker", ("worker",))
+        self.worker_up = m.Gauge("specdec_worker_up", "1 while the worker answers, 0 while it is lost",
+                                 tag_keys=("deployment", "worker")).set_default_tags(tags)
         self.tokens_per_s = gauge("specdec_tokens_per_second", "Generated tokens per second (sliding window)")
         self.acceptance = gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens (sliding window)")
         self.queue_depth = gauge("specdec_queue_depth", "Requests waiting for admission")
@@ -148,7 +154,8 @@ class RoundMetrics:
         self._failed_once = False
         self.totals = {"generated_tokens": 0, "proposed": 0, "accepted": 0, "rounds": 0, "finished": {},
                        "round_seconds": {}, "queue_depth": 0, "running": 0, "kv_blocks_used": 0,
-                       "kv_blocks_total": 0, "wire_bytes": {}, "wire_bytes_last_round": {}}
+                       "kv_blocks_total": 0, "wire_bytes": {}, "wire_bytes_last_round": {}, "resumed": {},
+                       "workers_down": []}
         self._wire = WireDeltas(wire) if wire else None
         self._wire_pending: dict[str, tuple[int, int]] = {}
         export = ray_is_initialized() if export is None else export
@@ -207,6 +214,9 @@ class RoundMetrics:
             t["round_seconds"].update(phases)
             t["queue_depth"], t["running"] = report.queue_depth, report.running
             t["kv_blocks_used"], t["kv_blocks_total"] = report.kv_blocks_used, report.kv_blocks_total
+            for worker, req_ids in report.resumed.items():
+                t["resumed"][worker] = t["resumed"].get(worker, 0) + len(req_ids)
+            t["workers_down"] = list(report.workers_down)
             for worker, (sent, received) in wire.items():
                 total = t["wire_bytes"].setdefault(worker, {"sent": 0, "received": 0})
                 total["sent"] += sent
@@ -243,6 +253,10 @@ class RoundMetrics:
                 tags = {"direction": direction, "worker": worker}
                 r.wire_bytes_last_round.set(n, tags=tags)
                 r.wire_bytes_per_round.observe(n, tags=tags)
+        for worker, req_ids in report.resumed.items():
+            r.resumed.inc(len(req_ids), tags={"worker": worker})
+        for worker in ("target", "draft"):
+            r.worker_up.set(0.0 if worker in report.workers_down else 1.0, tags={"worker": worker})
         r.queue_depth.set(report.queue_depth)
         r.running.set(report.running)
         r.kv_used.set(report.kv_blocks_used)

@@ -47,6 +47,9 @@ class RoundReport:
     running: int = 0  # requests running after the round
     kv_blocks_used: int = 0  # target KV blocks in use, as the target last reported
     kv_blocks_total: int = 0
+    # Requests carried on this round after a lost worker came back, by worker ("target" | "draft").
+    resumed: dict[str, list[str]] = field(default_factory=dict)
+    workers_down: list[str] = field(default_factory=list)  # workers lost at the end of the step
 
     @property
     def overhead_seconds(self) -> float:

@@ -3,6 +3,13 @@
 Each `step()` is one round over every running request: one call to the draft worker, one to the
 target worker, and a `RoundReport` of what it did. Requests join and leave between rounds. The
 scheduler knows token ids, lengths and limits, never model internals.
+
+A worker that stops answering costs its requests a pause, not their output: the scheduler holds
+every committed token. When the target is lost, each request is released there and re-admitted
+with its prompt plus the tokens committed so far (a fresh first round) once the target answers
+again; when the draft is lost, rounds go on without speculation, except seeded sampled requests,
+which wait for it (K = 0 rounds would decide their tokens with other random draws than an
+uninterrupted run). Only a worker gone longer than worker_recovery_timeout fails its requests.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from coordinator.round_costs import RoundCosts, measure_round_costs
 from coordinator.round_report import RequestUpdate, RoundReport
 from coordinator.speculation_policy import PolicyRequest, SpeculationPolicy
 from coordinator.text_stream import TextStream
+from coordinator.worker_health import WorkerHealth
 from specdec.config import SchedulerConfig
 from specdec.kv_cache import blocks_for_tokens
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, TargetInfo, VerifyTask
@@ -59,6 +67,8 @@ class Scheduler:
         # After a failed release (worker down) wait before retrying, instead of spinning on it.
         self._release_retry_at = 0.0
         self.kv_blocks_used = 0
+        self.target_health = WorkerHealth("target", config.worker_recovery_timeout)
+        self.draft_health = WorkerHealth("draft", config.worker_recovery_timeout)
         self.policy: SpeculationPolicy | None = None
         if config.adaptive and draft is not None and config.num_speculative_tokens > 0:
             if costs is None:
@@ -113,8 +123,19 @@ class Scheduler:
         return False
 
     def has_work(self) -> bool:
-        releases_due = (self._release_target or self._release_draft) and time.monotonic() >= self._release_retry_at
-        return bool(self.waiting or self.running or releases_due)
+        now = time.monotonic()
+        releases_due = (self._release_target or self._release_draft) and now >= self._release_retry_at
+        rounds_due = self.running and (self.target_health.due(now) or self.target_health.given_up(now))
+        return bool(self.waiting or rounds_due or releases_due)
+
+    def wake_in(self) -> float | None:
+        """Seconds until a retry of a lost worker is due (None: nothing waits for one)."""
+        return self.target_health.wait_seconds() if self.running and not self.target_health.up else None
+
+    @property
+    def healthy(self) -> bool:
+        """False once the target has been gone longer than its recovery timeout."""
+        return not self.target_health.given_up()
 
     @property
     def queue_depth(self) -> int:
@@ -169,8 +190,7 @@ class Scheduler:
         caps = [self._cap(run) for run in runs]
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
-        asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy,
-                              seeded=run.request.client_seed and not run.request.params.greedy)
+        asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run))
                 for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 
@@ -179,48 +199,79 @@ class Scheduler:
         report = RoundReport(updates=self._expire_deadlines())
         self._admit()
         greedy = {req_id: run.request.params.greedy for req_id, run in self.running.items()}
-        if self.running:
+        if self.target_health.given_up() and not (self.target_health.due() and self._target_answers()):
+            lost = WorkerUnavailable(self.target_health.describe())  # gone for good: fail what waits
+            report.updates += self._fail_all(list(self.running.values()), lost)
+            report.updates += [RequestUpdate.failure(r.req_id, str(lost), "unavailable") for r in self.waiting]
+            self.waiting.clear()
+        elif self.running and self.target_health.due():
             self._run_round(report)
-        else:
+        elif not self.running:
             self._flush_releases()
         report.total_seconds = time.perf_counter() - start
         if self.policy is not None and report.ran:
             self.policy.observe(report, greedy)
         report.queue_depth, report.running = len(self.waiting), len(self.running)
+        report.workers_down = [h.role for h in (self.target_health, self.draft_health) if not h.up]
         report.kv_blocks_used, report.kv_blocks_total = self.kv_blocks_used, self.target_info.kv_blocks_total
         return report
 
+    @staticmethod
+    def _seeded(run: RunningRequest) -> bool:
+        """A seeded sampled request: its tokens must not depend on how its rounds were scheduled."""
+        return run.request.client_seed and not run.request.params.greedy
+
+    def _paused(self, run: RunningRequest) -> bool:
+        """Seeded sampled requests wait while the draft is lost (but not past its recovery timeout)."""
+        return (not self.draft_health.up and run.num_speculative_tokens > 0 and self._seeded(run)
+                and not self.draft_health.given_up())
+
     def _run_round(self, report: RoundReport) -> None:
-        runs = list(self.running.values())
-        report.batch_size = len(runs)
-        asked = self._choose(runs)
+        drafting = self.draft is not None and self.draft_health.due()
+        runs = [run for run in self.running.values() if drafting or not self._paused(run)]
+        asked = self._choose(runs) if drafting else {run.request.req_id: 0 for run in runs}
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
-            proposals = self._draft_round(runs, asked)
-            report.draft_seconds = time.perf_counter() - start
-            tasks = []
-            for run in runs:
-                req_id = run.request.req_id
-                proposal = proposals.get(req_id)
-                tasks.append(VerifyTask(
-                    req_id=req_id,
-                    new_tokens=[] if run.started_target else list(run.request.prompt_ids),
-                    draft_tokens=proposal.tokens if proposal else [],
-                    q=proposal.q if proposal else None,
-                    params=run.request.params))
-            finished, self._release_target = self._release_target, []
-            start = time.perf_counter()
-            try:
-                result = self.target.verify(tasks, finished)
-            except Exception:
-                # The releases may not have reached the worker: send them again next round
-                # (workers ignore ids they do not know, e.g. after a restart).
-                self._release_target = finished + self._release_target
-                raise
-            report.verify_seconds = time.perf_counter() - start
-        except Exception as exc:  # a worker failed: end this round's requests, keep serving
+            proposals = self._draft_round(runs, asked) if drafting else {}
+            if drafting and self.draft_health.back():
+                report.resumed["draft"] = [r.request.req_id for r in runs if r.num_speculative_tokens > 0]
+        except WorkerUnavailable as exc:  # rounds go on without speculation meanwhile
+            self._draft_lost(exc)
+            proposals, asked = {}, {req_id: 0 for req_id in asked}
+            runs = [run for run in runs if not self._paused(run)]
+        except Exception as exc:  # the draft broke on this round: end its requests, keep serving
             report.updates += self._fail_all(runs, exc)
             return
+        report.draft_seconds = time.perf_counter() - start
+        report.batch_size = len(runs)
+        if not runs:
+            return
+        tasks = []
+        for run in runs:
+            proposal = proposals.get(run.request.req_id)
+            tasks.append(VerifyTask(
+                req_id=run.request.req_id,
+                # A first round (or one after the target was lost) carries every committed token.
+                new_tokens=[] if run.started_target else run.request.prompt_ids + run.generated,
+                draft_tokens=proposal.tokens if proposal else [],
+                q=proposal.q if proposal else None,
+                params=run.request.params))
+        finished, self._release_target = self._release_target, []
+        start = time.perf_counter()
+        try:
+            result = self.target.verify(tasks, finished)
+        except Exception as exc:
+            # The releases may not have reached the worker: send them again next round
+            # (workers ignore ids they do not know, e.g. after a restart).
+            self._release_target = finished + self._release_target
+            if isinstance(exc, WorkerUnavailable):  # its requests wait for it to come back
+                self._target_lost(exc)
+                return
+            report.updates += self._fail_all(runs, exc)  # it broke on this round: end its requests
+            return
+        report.verify_seconds = time.perf_counter() - start
+        if self.target_health.back():
+            report.resumed["target"] = [run.request.req_id for run in runs if run.generated]
         report.ran = True
         self.kv_blocks_used = result.kv_blocks_used
         for run in runs:
@@ -244,6 +295,38 @@ class Scheduler:
             update.num_speculative_tokens = asked[outcome.req_id]
             update.proposed, update.accepted = proposed, outcome.num_accepted
             report.updates.append(update)
+
+    def _target_answers(self) -> bool:
+        """Is a target that was given up on back? (An empty round, delivering pending releases.)"""
+        finished, self._release_target = self._release_target, []
+        try:
+            self.kv_blocks_used = self.target.verify([], finished).kv_blocks_used
+        except Exception as exc:  # noqa: BLE001 - still gone
+            self._release_target = finished + self._release_target
+            self.target_health.lost(exc)
+            return False
+        self.target_health.back()
+        return True
+
+    def _target_lost(self, exc: WorkerUnavailable) -> None:
+        """Every request the target held is gone there: release it, and re-admit it with all of
+        its committed tokens on the next round that reaches the target."""
+        self.target_health.lost(exc)
+        for req_id, run in self.running.items():
+            if run.started_target:
+                run.started_target = False
+                if req_id not in self._release_target:
+                    self._release_target.append(req_id)
+
+    def _draft_lost(self, exc: WorkerUnavailable) -> None:
+        """The draft's copies of the sequences are gone (or stale): when it answers again, each
+        request is released there and sent its whole context."""
+        self.draft_health.lost(exc)
+        for req_id, run in self.running.items():
+            if run.num_speculative_tokens > 0:
+                run.unsent_to_draft = run.request.prompt_ids + run.generated
+                if req_id not in self._release_draft:
+                    self._release_draft.append(req_id)
 
     def _draft_round(self, runs: list[RunningRequest], asked: dict[str, int]) -> dict[str, DraftProposal]:
         """One draft call, only when some request drafts this round or releases are due; tokens

@@ -104,11 +104,12 @@ class SchedulerThread:
         sched = self.scheduler
         while True:
             # Block when idle; otherwise take whatever arrived since the last round. The wait is
-            # bounded: releases that failed (worker restarting) become due again later on their own.
+            # bounded: a retry of a lost worker, or releases that failed, become due on their own.
             block = not sched.has_work()
+            wait = sched.wake_in()
             while True:
                 try:
-                    command = self._inbox.get(block=block, timeout=1.0 if block else None)
+                    command = self._inbox.get(block=block, timeout=(1.0 if wait is None else wait) if block else None)
                 except queue.Empty:
                     break
                 block = False

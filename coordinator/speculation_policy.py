@@ -26,6 +26,10 @@ target step, each verified token REFERENCE_VERIFY_TOKEN_COST), from a constant p
 Probing: at K = 0 a request learns nothing about acceptance, so after `probe_after` rounds at 0
 it drafts its full cap once (the most evidence a round can give); a probe that does not bring it
 back doubles the wait, up to MAX_PROBE_AFTER rounds.
+
+choose() changes no state: a round that then fails (a worker died) leaves the policy as it was,
+and observe() records what the round that ran actually did. A seeded request's K sequence thus
+depends on its committed rounds only, however often a round had to be retried.
 """
 from __future__ import annotations
 
@@ -83,6 +87,7 @@ class SpeculationPolicy:
         # The drafter's recent acceptance, greedy and sampled, as the prior of new requests.
         self._global = {True: _Evidence(GLOBAL_DECAY), False: _Evidence(GLOBAL_DECAY)}
         self._initial_prior = initial_prior
+        self._chosen: dict[str, str] = {}  # req_id -> why its K was chosen: "merit" | "probe" | "zero"
 
     # -- estimates ------------------------------------------------------------------------------
     def prior(self, request: PolicyRequest) -> float:
@@ -96,8 +101,11 @@ class SpeculationPolicy:
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round's outcomes into the estimates (`greedy`: req_id -> greedy request)."""
         for update in report.updates:
+            why = self._chosen.pop(update.req_id, None)
             if update.finished:
                 self._evidence.pop(update.req_id, None)
+            elif why is not None:
+                self._track_zero_rounds(self._evidence.setdefault(update.req_id, _Evidence()), why)
             if update.proposed == 0:
                 continue
             tested = update.accepted + (1 if update.accepted < update.proposed else 0)
@@ -109,9 +117,21 @@ class SpeculationPolicy:
 
     def forget(self, req_id: str) -> None:
         self._evidence.pop(req_id, None)
+        self._chosen.pop(req_id, None)
+
+    @staticmethod
+    def _track_zero_rounds(evidence: _Evidence, why: str) -> None:
+        if why == "merit":  # speculating on its own merits (again)
+            evidence.rounds_at_zero, evidence.probe_after = 0, PROBE_AFTER
+        elif why == "probe":
+            evidence.rounds_at_zero = 0
+            evidence.probe_after = min(2 * evidence.probe_after, MAX_PROBE_AFTER)
+        else:
+            evidence.rounds_at_zero += 1
 
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
+        self._chosen.clear()  # a round that never ran leaves no trace
         if not requests:
             return []
         caps = np.array([max(r.cap, 0) for r in requests])
@@ -152,15 +172,14 @@ class SpeculationPolicy:
         return tokens / (verify + draft * costs.draft_scale + costs.overhead_seconds)
 
     def _with_probe(self, request: PolicyRequest, k: int) -> int:
-        evidence = self._evidence.setdefault(request.req_id, _Evidence())
-        if k > 0:  # speculating on its own merits (again)
-            evidence.rounds_at_zero, evidence.probe_after = 0, PROBE_AFTER
-            return k
         if request.cap == 0:
             return 0
-        evidence.rounds_at_zero += 1
-        if evidence.rounds_at_zero < evidence.probe_after:
-            return 0
-        evidence.rounds_at_zero = 0
-        evidence.probe_after = min(2 * evidence.probe_after, MAX_PROBE_AFTER)
-        return request.cap
+        evidence = self._evidence.get(request.req_id) or _Evidence()
+        if k > 0:
+            why = "merit"
+        elif evidence.rounds_at_zero + 1 >= evidence.probe_after:
+            why, k = "probe", request.cap
+        else:
+            why = "zero"
+        self._chosen[request.req_id] = why
+        return k

@@ -61,14 +61,13 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         # Temperature (and top-k) only: the top entries of softmax(logits / T) are the softmax of
         # the top logits, so the full-vocabulary softmax is never needed.
         tokens = logits.argmax(dim=-1)
-        width = min(max_q_entries or logits.shape[-1], logits.shape[-1])
-        width = min(width, max(params[i].top_k or width for i in rows))
+        most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
+        widths = [min(most, params[i].top_k or most) for i in rows]  # each row's own q size
         temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
         scaled = logits[rows].float() / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)
-        top, ids = torch.topk(scaled.clamp(-LARGEST_LOGIT, LARGEST_LOGIT), width, dim=-1)
-        limits = torch.tensor([params[i].top_k or width for i in rows], device=logits.device)[:, None]
-        q = torch.softmax(top.masked_fill(torch.arange(width, device=logits.device)[None, :] >= limits,
-                                          float("-inf")), dim=-1)
+        top, ids = torch.topk(scaled.clamp(-LARGEST_LOGIT, LARGEST_LOGIT), max(widths), dim=-1)
+        beyond = torch.arange(max(widths), device=logits.device)[None, :] >= torch.tensor(widths)[:, None]
+        q = torch.softmax(top.masked_fill(beyond, float("-inf")), dim=-1)
     else:
         presence = presence_mask(contexts, logits.shape[-1], logits.device) if needs_presence else None
         probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
@@ -76,9 +75,11 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         if not rows:
             return tokens, {}
         ids, q = top_entries(probs[rows], max_q_entries)  # [S, n]
+        widths = [ids.shape[1]] * len(rows)
     u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT)
     tokens[rows] = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
-    return tokens, {row: (ids[i], q[i]) for i, row in enumerate(rows)}
+    # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
+    return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}
 
 
 class ModelDrafter(Drafter):

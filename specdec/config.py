@@ -124,6 +124,10 @@ class SchedulerConfig:
     adaptive: bool = setting(True, "choose K per request and round (0 to the maximum) from acceptance and "
                                    "measured costs; no: always the maximum")
     max_batch_size: int = setting(32, "requests per round at most")
+    worker_round_timeout: float = setting(
+        30.0, "seconds a worker may take to answer one round before it is treated as dead (hung)")
+    worker_recovery_timeout: float = setting(
+        60.0, "seconds a dead worker may take to come back (Ray restarts it) before its requests fail")
 
     # A request may ask for its own K up to this bound.
     max_request_speculative_tokens = 64
@@ -134,6 +138,8 @@ class SchedulerConfig:
                "scheduler.num_speculative_tokens", f"an integer in [0, {self.max_request_speculative_tokens}]",
                self.num_speculative_tokens)
         _positive("scheduler.max_batch_size", self.max_batch_size)
+        for name in ("worker_round_timeout", "worker_recovery_timeout"):
+            _check(getattr(self, name) > 0, f"scheduler.{name}", "a number of seconds > 0", getattr(self, name))
 
 
 def host_port(host: str, port: int) -> str:

@@ -18,6 +18,7 @@ from specdec import LocalEngine, SamplingParams
 from specdec.config import NGRAM, DraftConfig, SchedulerConfig, WorkerConfig
 from specdec.model.llama import LlamaModel
 from specdec.model.runner import ModelRunner
+from specdec.round_types import DraftTask
 from target_worker.worker import TargetWorker
 
 VOCAB = 96
@@ -627,3 +628,20 @@ def test_a_drafter_that_lies_about_q_fails_only_its_own_request(target_dir):
     alone = _engine(target_dir, "self", num_speculative_tokens=3).generate([PROMPTS[1]], sampled)[0]
     assert sum((u.token_ids for u in updates["fair"]), []) == alone.token_ids
     _assert_caches_empty(engine)
+
+
+def test_draft_q_rows_keep_their_own_width_in_mixed_batches(target_dir):
+    """A request's q rows must all have its own width (top_k, or the q cap), whatever else shared
+    a draft step: here the top-k request drafts 4 tokens, the others fewer, so its later steps
+    run alone."""
+    drafter = DraftWorker.from_config(DraftConfig(model=str(target_dir), max_q_entries=16, kv_block_size=4)).drafter
+    tasks = [DraftTask("k3", PROMPTS[0], 4, SamplingParams(temperature=1.0, top_k=3, seed=1)),
+             DraftTask("all", PROMPTS[1], 2, SamplingParams(temperature=1.0, seed=2)),
+             DraftTask("greedy", PROMPTS[2], 1, SamplingParams())]
+    proposals = {p.req_id: p for p in drafter.propose(tasks)}
+    assert proposals["k3"].q.token_ids.shape == (4, 3) and proposals["all"].q.token_ids.shape == (2, 16)
+    assert proposals["greedy"].q is None
+    for p in proposals.values():
+        if p.q is not None:  # every drafted token lies in its own q's support
+            for row, token in enumerate(p.tokens):
+                assert float(p.q.probs[row][p.q.token_ids[row] == token].sum()) > 0

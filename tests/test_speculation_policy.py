@@ -50,26 +50,41 @@ def test_well_accepted_drafts_on_cheap_steps_take_the_cap():
     assert policy.choose([greedy("a", cap=2)]) == [2]  # never above the cap
 
 
+def round_of(policy: SpeculationPolicy, request: PolicyRequest, accept_all: bool) -> int:
+    """choose, then observe what that round did (all or none of its drafts accepted)."""
+    k = policy.choose([request])[0]
+    observe(policy, [outcome(request.req_id, k, k if accept_all else 0)])
+    return k
+
+
 def test_drafts_that_keep_failing_fall_back_to_plain_decoding_then_probe_and_return():
     policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
     for _ in range(6):
         observe(policy, [outcome("a", 3, 0)])
-    ks = [policy.choose([greedy("a")])[0] for _ in range(PROBE_AFTER)]
+    ks = [round_of(policy, greedy("a"), accept_all=False) for _ in range(PROBE_AFTER)]
     assert ks[:-1] == [0] * (PROBE_AFTER - 1)  # plain decoding...
     assert ks[-1] == 5  # ...until a probe, which drafts the full cap
-    for _ in range(4):  # the probe finds the drafts good now: speculation comes back
+    for _ in range(4):  # the probes find the drafts good now: speculation comes back
         observe(policy, [outcome("a", 5, 5)])
-    assert all(k > 0 for k in (policy.choose([greedy("a")])[0] for _ in range(2 * PROBE_AFTER)))
+    assert all(round_of(policy, greedy("a"), accept_all=True) > 0 for _ in range(2 * PROBE_AFTER))
+
+
+def test_a_round_that_never_ran_leaves_no_trace():
+    """choose() without observe() (the round failed, a worker died) must not move the probe
+    schedule: the retried round chooses exactly as the first attempt did."""
+    policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
+    for _ in range(6):
+        observe(policy, [outcome("a", 3, 0)])
+    first = [policy.choose([greedy("a")])[0] for _ in range(3 * PROBE_AFTER)]
+    assert first == [0] * len(first)
 
 
 def test_failed_probes_wait_longer_each_time():
     policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
     probes = []
     for round_index in range(3 * PROBE_AFTER + 2 * PROBE_AFTER):
-        k = policy.choose([greedy("a")])[0]
-        if k:
+        if round_of(policy, greedy("a"), accept_all=False):
             probes.append(round_index)
-            observe(policy, [outcome("a", k, 0)])
     assert len(probes) >= 2 and probes[1] - probes[0] > probes[0]  # the wait doubled
 
 

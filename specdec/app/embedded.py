@@ -58,8 +58,9 @@ class GrpcSchedulerFactory:
         self.config = config
         self.connect_timeout_s = connect_timeout_s
         self.tokenizer = load_tokenizer(config.target.model)
-        self.target_client = GrpcTargetClient(target_address)
-        self.draft_client = GrpcDraftClient(draft_address) if draft_address else None
+        timeout = config.scheduler.worker_round_timeout
+        self.target_client = GrpcTargetClient(target_address, timeout)
+        self.draft_client = GrpcDraftClient(draft_address, timeout) if draft_address else None
         self.wire = {"target": self.target_client.wire}
         if self.draft_client is not None:
             self.wire["draft"] = self.draft_client.wire

@@ -22,6 +22,7 @@ SERVE_SETTINGS = {
     "network": ("host", "port", "tls_cert", "tls_key", "auth_token", "grace_period", "max_concurrent_rpcs"),
     "ray": ("ray", "ray_address", "dashboard_host", "dashboard_port", "name", "worker_host", "worker_cpus",
             "max_restarts", "worker_wait", "target_worker_port", "draft_worker_port"),
+    "worker failures": ("worker_round_timeout", "worker_recovery_timeout"),
 }
 SHORT_FLAGS = {"num_speculative_tokens": "-k"}
 # Extra spellings of "no" for a boolean setting.

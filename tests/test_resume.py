@@ -1,0 +1,282 @@
+"""A lost worker costs its requests a pause, not their output.
+
+Real workers serve over gRPC on fixed loopback ports; a test kills one (its server stops and its
+state is gone, as when the process dies) and starts a fresh one on the same port (as Ray restarts
+it). The coordinator's scheduler holds every committed token and resumes each request; the
+outputs must equal an uninterrupted run, greedy and seeded sampled alike. No Ray here: these run
+in seconds; tests/test_fault_tolerance.py kills real Ray actors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from coordinator.request import Request
+from coordinator.scheduler import Scheduler
+from draft_worker import grpc_server as draft_server
+from draft_worker.worker import DraftWorker
+from specdec import LocalEngine, ServiceConfig
+from specdec.app.ray_actors import free_port
+from specdec.params import SamplingParams
+from target_worker import grpc_server as target_server
+from target_worker.worker import TargetWorker
+
+from checkpoints import CONFIGS, build_checkpoint, cheap_drafting_policy, perturbed_copy
+
+PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
+GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=30, temperature=0.9, seed=77, ignore_eos=True)
+PARAMS = [GREEDY, SEEDED, dataclasses.replace(SEEDED, seed=2**64 - 2, top_k=30), GREEDY]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = build_checkpoint(tmp_path_factory.mktemp("resume-target"), seed=0, initializer_range=0.1,
+                              **CONFIGS["gqa_untied"])
+    draft = perturbed_copy(target, tmp_path_factory.mktemp("resume-draft"), noise=0.2)
+    return str(target), str(draft)
+
+
+class ServedWorker:
+    """A worker behind gRPC on a fixed port that can be killed and restarted fresh."""
+
+    def __init__(self, build, serve):
+        self.build, self.serve = build, serve
+        self.port = free_port()
+        self.server = None
+        self.start()
+
+    def start(self) -> None:
+        self.worker = self.build()
+        self.server, _ = self.serve(self.worker, f"127.0.0.1:{self.port}")
+
+    def kill(self) -> None:
+        self.server.stop(None).wait()
+        self.worker = None  # its state (KV cache, sequences) is gone
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def cluster(models):
+    # K fixed (every round drafts, so a lost draft is noticed at once); see also the adaptive case.
+    config = ServiceConfig.from_settings(target=models[0], draft=models[1], num_speculative_tokens=4,
+                                         adaptive=False, kv_cache_blocks=128, kv_block_size=8,
+                                         worker_round_timeout=2.0, worker_recovery_timeout=30.0)
+    target = ServedWorker(lambda: TargetWorker.from_config(config.target), target_server.serve)
+    draft = ServedWorker(lambda: DraftWorker.from_config(config.draft), draft_server.serve)
+    clients = [GrpcTargetClient(target.address, 2.0), GrpcDraftClient(draft.address, 2.0)]
+    sched = Scheduler(clients[0], clients[1], None, config.scheduler)
+    yield SimpleNamespace(config=config, target=target, draft=draft, scheduler=sched)
+    for client in clients:
+        client.close()
+    for worker in (target, draft):
+        if worker.server is not None:
+            worker.server.stop(None)
+
+
+def reference(models, adaptive: bool) -> list[list[int]]:
+    engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False)
+    if adaptive:
+        engine.scheduler.policy = cheap_drafting_policy()
+    return [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(models):
+    return reference(models, adaptive=False)
+
+
+def run(sched: Scheduler, steps_before: int, action, steps_between: int = 0, after=None,
+        tokens_while_down: dict | None = None) -> dict[str, list[int]]:
+    """Add the requests, step `steps_before` rounds, do `action`, step `steps_between` more
+    (recording tokens committed meanwhile), do `after`, then step to the end."""
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        sched.add_request(Request(f"r{i}", prompt, params))
+    out = {f"r{i}": [] for i in range(len(PROMPTS))}
+    reasons = {}
+
+    def step():
+        for u in sched.step().updates:
+            out[u.req_id] += u.token_ids
+            if tokens_while_down is not None and action_done[0] and not after_done[0]:
+                tokens_while_down[u.req_id] = tokens_while_down.get(u.req_id, 0) + len(u.token_ids)
+            if u.finished:
+                reasons[u.req_id] = (u.finish_reason, u.error)
+
+    action_done, after_done = [False], [False]
+    for _ in range(steps_before):
+        step()
+    action()
+    action_done[0] = True
+    for _ in range(steps_between):
+        step()
+        time.sleep(0.02)
+    if after is not None:
+        after()
+    after_done[0] = True
+    deadline = time.monotonic() + 60
+    while sched.has_work() or sched.running:
+        assert time.monotonic() < deadline, "the requests never finished"
+        step()
+        time.sleep(0.005)
+    assert all(reason == "length" for reason, _ in reasons.values()), reasons
+    return out
+
+
+def assert_caches_free(cluster) -> None:
+    cluster.scheduler.step()  # deliver the last releases
+    for worker in (cluster.target.worker, cluster.draft.worker):
+        cache = worker.cache if isinstance(worker, TargetWorker) else worker.drafter.kv_cache
+        cache.check_accounting()
+        assert cache.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_target_killed_mid_stream_resumes_with_identical_output(cluster, models, uninterrupted, policy):
+    if policy == "adaptive":  # the real policy: its state lives in the coordinator and survives
+        cluster.scheduler.policy = cheap_drafting_policy()
+        uninterrupted = reference(models, adaptive=True)
+    out = run(cluster.scheduler, 3, cluster.target.kill, steps_between=5, after=cluster.target.start)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == uninterrupted
+    assert cluster.scheduler.target_health.outages == 1 and cluster.scheduler.target_health.up
+    assert_caches_free(cluster)
+
+
+def test_killed_before_the_first_round_answered(cluster, uninterrupted):
+    out = run(cluster.scheduler, 0, cluster.target.kill, steps_between=3, after=cluster.target.start)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == uninterrupted
+
+
+class RecordingDraft:
+    """Keeps every draft task sent, to see what a restarted draft worker is told."""
+
+    def __init__(self, inner):
+        self.inner, self.rounds = inner, []
+
+    def info(self):
+        return self.inner.info()
+
+    def propose(self, tasks, finished):
+        self.rounds.append((list(tasks), list(finished)))
+        return self.inner.propose(tasks, finished)
+
+
+def test_draft_killed_greedy_goes_on_without_it_seeded_sampled_waits(cluster, uninterrupted):
+    while_down: dict = {}
+    recorder = cluster.scheduler.draft = RecordingDraft(cluster.scheduler.draft)
+    restarted_at = []
+    out = run(cluster.scheduler, 3, cluster.draft.kill, steps_between=6,
+              after=lambda: (cluster.draft.start(), restarted_at.append(len(recorder.rounds))),
+              tokens_while_down=while_down)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == uninterrupted
+    # The restarted draft is told to forget each request and given its whole context back.
+    tasks, finished = next(r for r in recorder.rounds[restarted_at[0]:] if r[0])
+    assert set(finished) >= {t.req_id for t in tasks}
+    for task in tasks:
+        i = int(task.req_id[1:])
+        context = PROMPTS[i] + out[task.req_id]
+        assert task.new_tokens == context[:len(task.new_tokens)] and len(task.new_tokens) > len(PROMPTS[i])
+    assert while_down.get("r0", 0) > 0 and while_down.get("r3", 0) > 0  # greedy: kept decoding
+    assert while_down.get("r1", 0) == 0 and while_down.get("r2", 0) == 0  # seeded sampled: paused
+    assert cluster.scheduler.draft_health.outages == 1
+    assert_caches_free(cluster)
+
+
+def test_a_request_cancelled_while_its_worker_is_down_is_gone_everywhere(cluster, uninterrupted):
+    sched = cluster.scheduler
+
+    def kill_and_cancel():
+        cluster.target.kill()
+        sched.abort("r1")
+
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        sched.add_request(Request(f"r{i}", prompt, params))
+    for _ in range(3):
+        sched.step()
+    kill_and_cancel()
+    for _ in range(3):
+        sched.step()
+    cluster.target.start()
+    finished = {}
+    while sched.running or sched.has_work():
+        for u in sched.step().updates:
+            if u.finished:
+                finished[u.req_id] = u.finish_reason
+    assert "r1" not in finished and set(finished) == {"r0", "r2", "r3"}
+    assert "r1" not in cluster.target.worker._seqs
+    assert_caches_free(cluster)
+
+
+def test_a_target_gone_for_good_fails_its_requests_clearly_then_serves_when_back(models):
+    config = ServiceConfig.from_settings(target=models[0], draft=None, kv_cache_blocks=64, kv_block_size=8,
+                                         worker_round_timeout=2.0, worker_recovery_timeout=0.5)
+    target = ServedWorker(lambda: TargetWorker.from_config(config.target), target_server.serve)
+    client = GrpcTargetClient(target.address, 2.0)
+    try:
+        sched = Scheduler(client, None, None, config.scheduler)
+        sched.add_request(Request("a", PROMPTS[0], GREEDY))
+        sched.step()
+        target.kill()
+        updates = []
+        deadline = time.monotonic() + 10
+        while not any(u.finished for u in updates):
+            assert time.monotonic() < deadline
+            updates += sched.step().updates
+            time.sleep(0.02)
+        [last] = [u for u in updates if u.finished]
+        assert last.error_kind == "unavailable" and "unavailable for longer than 0.5s" in last.error
+        assert not sched.healthy
+        sched.add_request(Request("b", PROMPTS[1], GREEDY))  # refused at once while it is gone
+        assert [u.error_kind for u in sched.step().updates] == ["unavailable"]
+        target.start()
+        time.sleep(1.1)  # the next look for it is due
+        sched.add_request(Request("c", PROMPTS[1], GREEDY))
+        got = []
+        while sched.running or sched.waiting or not got:
+            got += [t for u in sched.step().updates for t in u.token_ids]
+        assert sched.healthy and len(got) == GREEDY.max_new_tokens
+    finally:
+        client.close()
+        target.server.stop(None)
+
+
+class Hanging:
+    """A target that stops answering (like a SIGSTOPped process) when `hang` is set."""
+
+    def __init__(self, inner):
+        self.inner, self.hang = inner, threading.Event()
+
+    def info(self):
+        return self.inner.info()
+
+    def verify(self, tasks, finished):
+        if self.hang.is_set():
+            time.sleep(3.0)  # past the 2 s round deadline
+        return self.inner.verify(tasks, finished)
+
+
+def test_a_hung_worker_is_treated_as_dead_and_its_requests_resume(cluster, uninterrupted):
+    hanging = Hanging(cluster.target.worker)
+    cluster.target.server.stop(None).wait()
+    cluster.target.server, _ = target_server.serve(hanging, cluster.target.address)
+    hung_at = []
+
+    def hang():
+        hanging.hang.set()
+        hung_at.append(time.monotonic())
+
+    def recover():  # the operator (or Ray) replaces the stuck worker with a fresh one
+        cluster.target.server.stop(None).wait()
+        cluster.target.start()
+
+    out = run(cluster.scheduler, 3, hang, steps_between=1, after=recover)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == uninterrupted
+    assert "no answer within 2s" in cluster.scheduler.target_health.last_error

@@ -31,6 +31,7 @@ PROMPT = [3, 17, 42, 5, 99, 7, 3, 17]
 MAX_POS = 1024
 K = 4
 RECOVERY_S = 60
+HANG_S = 3.0  # the round deadline of this module's deployment
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def deployment(models):
         # K fixed: every round uses the draft, so both workers' deaths are felt at once.
         dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=K,
                                                  adaptive=False, host="127.0.0.1", port=0, name="specdec-ft",
-                                                 worker_cpus=0.5))
+                                                 worker_cpus=0.5, worker_round_timeout=HANG_S))
         try:
             yield dep
         finally:
@@ -82,10 +83,12 @@ def _request(max_new_tokens: int, **sampling) -> generation_pb2.GenerateRequest:
     return request
 
 
-@pytest.mark.parametrize("role", ["target", "draft"])
-def test_worker_killed_mid_stream_the_streams_carry_on(deployment, expected, role):
-    """SIGKILL a worker while a greedy and a seeded sampled stream run: Ray restarts it on the
-    same address, the coordinator resumes both, and each returns exactly the uninterrupted tokens."""
+@pytest.mark.parametrize("role,how", [("target", signal.SIGKILL), ("draft", signal.SIGKILL),
+                                      ("target", signal.SIGSTOP)])
+def test_worker_killed_mid_stream_the_streams_carry_on(deployment, expected, role, how):
+    """SIGKILL a worker (or SIGSTOP it past the round deadline) while a greedy and a seeded sampled
+    stream run: Ray restarts it on the same address, the coordinator resumes both, and each
+    returns exactly the uninterrupted tokens."""
     actor = deployment.target if role == "target" else deployment.draft
     old_address = deployment.target_address if role == "target" else deployment.draft_address
     pid = ray.get(actor.pid.remote(), timeout=30)
@@ -95,7 +98,7 @@ def test_worker_killed_mid_stream_the_streams_carry_on(deployment, expected, rol
         streams = {name: stub.Generate(_request(LONG, **sampling), timeout=RECOVERY_S + 60)
                    for name, sampling in STREAMS.items()}
         got = {name: list(next(stream).token_ids) for name, stream in streams.items()}  # both running
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, how)
         for name, stream in streams.items():
             for response in stream:  # no error: a pause, then the rest
                 got[name] += response.token_ids

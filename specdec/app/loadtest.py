@@ -72,6 +72,10 @@ class LoadConfig:
     verify_sample: int = 0
     progress: bool = False
     token: str | None = None
+    # Set: `streams` clients each send one request after another until this many seconds passed
+    # (closed loop), instead of `streams` requests at once.
+    duration: float | None = None
+    mixed: bool = False  # every other stream greedy, the rest at `temperature` (0.8 if unset)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class StreamRecord:
     prompt: object  # str or list[int]
     seed: int
     cancel_after: int | None  # cancel once this many tokens arrived (0: at once; None: run to the end)
+    temperature: float | None = None  # None: greedy
     token_ids: list[int] = field(default_factory=list)
     messages: int = 0  # messages carrying tokens
     finish_messages: int = 0
@@ -147,32 +152,49 @@ def _ms(x: float | None) -> float | None:
 # --- the streams ---------------------------------------------------------------------------
 
 
+def stream_record(cfg: LoadConfig, run_id: str, i: int, cancel_after: int | None) -> StreamRecord:
+    """Stream i's prompt, seed and sampling: a function of (cfg.seed, i) only, so a stream can be
+    replayed elsewhere (chaos mode compares every stream with an uninterrupted run)."""
+    rng = random.Random(cfg.seed * 1_000_003 + i)
+    tag = f"{run_id}-{i}"
+    if cfg.vocab_size:
+        # Distinct by construction: the first two ids encode i; lengths vary with i too.
+        v = cfg.vocab_size
+        prompt = [i % v, (i // v) % v] + [rng.randrange(v) for _ in range(cfg.prompt_words + i % 5)]
+    else:
+        words = [rng.choice(WORDS) for _ in range(cfg.prompt_words + i % 5)]
+        prompt = f"request {i}: " + " ".join(words)
+    temperature = cfg.temperature
+    if cfg.mixed:
+        temperature = None if i % 2 == 0 else (cfg.temperature or 0.8)
+    return StreamRecord(index=i, tag=tag, prompt=prompt, seed=cfg.seed * 100_003 + i, cancel_after=cancel_after,
+                        temperature=temperature)
+
+
 def make_streams(cfg: LoadConfig, run_id: str) -> list[StreamRecord]:
     rng = random.Random(cfg.seed)
     n_cancel = min(cfg.streams, int(round(cfg.streams * cfg.cancel_fraction)))
     cancelled = set(rng.sample(range(cfg.streams), n_cancel))
     records = []
     for i in range(cfg.streams):
-        tag = f"{run_id}-{i}"
-        if cfg.vocab_size:
-            # Distinct by construction: the first two ids encode i; lengths vary with i too.
-            v = cfg.vocab_size
-            prompt = [i % v, (i // v) % v] + [rng.randrange(v) for _ in range(cfg.prompt_words + i % 5)]
-        else:
-            words = [rng.choice(WORDS) for _ in range(cfg.prompt_words + i % 5)]
-            prompt = f"request {tag}: " + " ".join(words)
         cancel_after = rng.randint(0, cfg.max_new_tokens - 1) if i in cancelled else None
         if n_cancel >= 2 and i == min(cancelled):
             cancel_after = 0  # one stream always leaves before its first message
-        records.append(StreamRecord(index=i, tag=tag, prompt=prompt, seed=cfg.seed * 100_003 + i,
-                                    cancel_after=cancel_after))
+        records.append(stream_record(cfg, run_id, i, cancel_after))
     return records
+
+
+def _next_stream(cfg: LoadConfig, run_id: str, i: int) -> StreamRecord:
+    """Duration mode: stream i, cancelled mid-way with probability cancel_fraction."""
+    rng = random.Random(cfg.seed * 7_919 + i)
+    cancel = rng.random() < cfg.cancel_fraction
+    return stream_record(cfg, run_id, i, rng.randint(0, cfg.max_new_tokens - 1) if cancel else None)
 
 
 def _request(cfg: LoadConfig, rec: StreamRecord):
     from specdec.client import build_request
 
-    return build_request(rec.prompt, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+    return build_request(rec.prompt, max_new_tokens=cfg.max_new_tokens, temperature=rec.temperature,
                          seed=rec.seed, ignore_eos=True, num_speculative_tokens=cfg.num_speculative_tokens)
 
 
@@ -270,7 +292,11 @@ class _Progress:
     def draw(self, end: bool = False) -> None:
         if not self.enabled:
             return
-        frac = min(1.0, self.done / self.total) if self.total else 1.0
+        if not self.total:  # duration mode: no end known in tokens
+            sys.stderr.write(f"\r{self.done} tokens" + ("\n" if end else ""))
+            sys.stderr.flush()
+            return
+        frac = min(1.0, self.done / self.total)
         width = 30
         bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
         sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} tokens ({frac:5.1%})" + ("\n" if end else ""))
@@ -286,7 +312,7 @@ async def _run_all(address: str, cfg: LoadConfig, records: list[StreamRecord]) -
     metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else None
     options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
-    progress = _Progress(cfg.streams * cfg.max_new_tokens, cfg.progress)
+    progress = _Progress(0 if cfg.duration else cfg.streams * cfg.max_new_tokens, cfg.progress)
     deadline = time.monotonic() + cfg.timeout
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         try:
@@ -295,7 +321,12 @@ async def _run_all(address: str, cfg: LoadConfig, records: list[StreamRecord]) -
             raise ConnectionError(f"server not reachable at {address}") from None
         stub = generation_pb2_grpc.GenerationStub(channel)
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_run_stream(stub, cfg, r, metadata, deadline, progress.add)) for r in records]
+        if cfg.duration:
+            run_id = uuid.uuid4().hex[:6]
+            tasks = [asyncio.create_task(_run_client(stub, cfg, run_id, records, metadata, deadline, progress.add))
+                     for _ in range(cfg.streams)]
+        else:
+            tasks = [asyncio.create_task(_run_stream(stub, cfg, r, metadata, deadline, progress.add)) for r in records]
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for t in pending:
             t.cancel()
@@ -305,6 +336,16 @@ async def _run_all(address: str, cfg: LoadConfig, records: list[StreamRecord]) -
         if cfg.verify_sample:
             await _verify(stub, cfg, records, metadata, deadline)
     return wall
+
+
+async def _run_client(stub, cfg: LoadConfig, run_id: str, records: list[StreamRecord], metadata,
+                      deadline: float, on_tokens) -> None:
+    """Duration mode: one client sending request after request until cfg.duration has passed."""
+    end = time.monotonic() + cfg.duration
+    while time.monotonic() < end:
+        rec = _next_stream(cfg, run_id, len(records))
+        records.append(rec)
+        await _run_stream(stub, cfg, rec, metadata, deadline, on_tokens)
 
 
 async def _verify(stub, cfg: LoadConfig, records: list[StreamRecord], metadata, deadline: float) -> None:
@@ -344,7 +385,7 @@ def build_report(cfg: LoadConfig, records: list[StreamRecord], wall: float) -> L
     if count["completed"] and not ttft:
         failures.append("no time to first token was measured")
     return LoadReport(
-        streams=cfg.streams, max_new_tokens=cfg.max_new_tokens, completed=count["completed"],
+        streams=len(records), max_new_tokens=cfg.max_new_tokens, completed=count["completed"],
         cancelled=count["cancelled"], failed=count["failed"], missing=count["pending"],
         generated_tokens=generated, wall_seconds=wall,
         throughput_tokens_per_s=generated / wall if wall > 0 else 0.0,
@@ -355,11 +396,16 @@ def build_report(cfg: LoadConfig, records: list[StreamRecord], wall: float) -> L
         failures=failures)
 
 
-def run_load(address: str, cfg: LoadConfig) -> LoadReport:
-    """Run the load against a server at `address` and check every stream (not the KV cache)."""
-    records = make_streams(cfg, uuid.uuid4().hex[:6])
+def run_streams(address: str, cfg: LoadConfig) -> tuple[LoadReport, list[StreamRecord]]:
+    """Run the load against a server at `address`; the report checks every stream (not the KV
+    cache), the records hold what each stream received."""
+    records = make_streams(cfg, uuid.uuid4().hex[:6]) if not cfg.duration else []
     wall = asyncio.run(_run_all(address, cfg, records))
-    return build_report(cfg, records, wall)
+    return build_report(cfg, records, wall), records
+
+
+def run_load(address: str, cfg: LoadConfig) -> LoadReport:
+    return run_streams(address, cfg)[0]
 
 
 # --- embedded: a server of our own, so the KV cache can be checked -------------------------
@@ -573,6 +619,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("-k", "--server-k", dest="server_num_speculative_tokens", type=int, default=None,
                    help="the server's num_speculative_tokens (default: the config's)")
     add_settings(e, EMBEDDED_SETTINGS)
+    c = parser.add_argument_group("chaos (see specdec/app/chaos.py)")
+    c.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
+                   help="run a local Ray deployment and SIGKILL a random worker every SECONDS during the load; "
+                        "then replay every completed stream uninterrupted and count different outputs "
+                        "(uses the embedded-server settings; streams alternate greedy / sampled)")
+    c.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="closed loop: --streams clients each send request after request for SECONDS "
+                        "(default with --chaos: 60)")
 
 
 def load_from_args(args) -> LoadConfig:
@@ -580,7 +634,8 @@ def load_from_args(args) -> LoadConfig:
                       temperature=args.temperature, seed=args.seed, timeout=args.timeout,
                       num_speculative_tokens=args.num_speculative_tokens, vocab_size=args.vocab_size,
                       verify_sample=args.verify_sample, progress=not args.no_progress and sys.stderr.isatty(),
-                      token=args.token)
+                      token=args.token, duration=args.duration or (60.0 if args.chaos else None),
+                      mixed=args.chaos is not None)
 
 
 def _bad_args(args) -> str | None:
@@ -594,6 +649,10 @@ def _bad_args(args) -> str | None:
         return "--timeout must be > 0"
     if args.grpc_workers and not args.embedded:
         return "--grpc-workers needs --embedded"
+    if args.chaos is not None and (args.chaos <= 0 or args.embedded):
+        return "--chaos needs a positive number of seconds, and runs its own deployment (no --embedded)"
+    if args.duration is not None and args.duration <= 0:
+        return "--duration must be > 0"
     if args.verify_sample < 0:
         return "--verify-sample must be >= 0"
     return None
@@ -605,8 +664,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     load = load_from_args(args)
+    chaos = None
     try:
-        if args.embedded:
+        if args.chaos is not None:
+            from specdec.app.chaos import format_chaos, run_chaos
+
+            load.timeout = max(load.timeout, load.duration + 300.0)  # the tail of the last streams
+            config = ServiceConfig.from_settings(**given_settings(args, EMBEDDED_SETTINGS))
+            report, chaos = run_chaos(config, load, args.chaos)
+        elif args.embedded:
             server_k = {} if args.server_num_speculative_tokens is None else {
                 "num_speculative_tokens": args.server_num_speculative_tokens}
             config = ServiceConfig.from_settings(**given_settings(args, EMBEDDED_SETTINGS), **server_k)
@@ -617,8 +683,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_report(report))
+    if chaos is not None:
+        print(format_chaos(chaos))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(report.to_dict(), fh, indent=2)
+            data = report.to_dict()
+            if chaos is not None:
+                data["chaos"] = {**dataclasses.asdict(chaos), "ok": chaos.ok}
+            json.dump(data, fh, indent=2)
             fh.write("\n")
     return 0 if report.ok else 1

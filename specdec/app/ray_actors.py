@@ -181,11 +181,13 @@ class CoordinatorActor:
             raise
         self._address = advertised(config.server.host, self.port)
         # After a worker failure the clients ask its actor where it serves now (Ray may restart it
-        # on another node); never on the round path.
+        # on another node); never on the round path. A worker that hangs past the round deadline
+        # is killed through Ray, which restarts it: a stopped process would never come back.
         for role, client in (("target", factory.target_client), ("draft", factory.draft_client)):
             name = worker_actor_names.get(role)
             if client is not None and name:
                 client.resolve_address = _address_resolver(name, namespace)
+                client.on_hang = _restarter(name, namespace)
 
     def ready(self) -> dict:
         return {"kind": "coordinator", "address": self._address, "port": self.port, "pid": os.getpid(),
@@ -203,6 +205,16 @@ class CoordinatorActor:
         self.handle.stop(grace_s)
         self.metrics.close()
         return self.metrics.snapshot()
+
+
+def _restarter(actor_name: str, namespace: str):
+    def restart() -> None:
+        try:
+            ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=False)
+            log.warning("%s did not answer within the round deadline: killed, Ray restarts it", actor_name)
+        except Exception as e:  # noqa: BLE001 - already gone; the recovery timeout decides
+            log.warning("could not restart hung worker %s: %s", actor_name, e)
+    return restart
 
 
 def _address_resolver(actor_name: str, namespace: str, timeout_s: float = 1.0):

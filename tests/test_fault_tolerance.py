@@ -52,7 +52,8 @@ def deployment(models):
     try:
         target, draft = models
         dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=K,
-                                                 host="127.0.0.1", port=0, name="specdec-ft", worker_cpus=0.5))
+                                                 host="127.0.0.1", port=0, http_port=0, name="specdec-ft",
+                                                 worker_cpus=0.5))
         try:
             yield dep
         finally:

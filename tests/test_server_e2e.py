@@ -263,7 +263,7 @@ def test_graceful_stop_and_auth(models):
         first = next(call)
         stopper = threading.Thread(target=handle.stop, args=(10.0,))
         stopper.start()
-        assert wait_until(lambda: handle.server.servicer.draining)
+        assert wait_until(lambda: handle.server.gate.draining)
         with pytest.raises(grpc.RpcError) as info:
             client.generate("hi", max_new_tokens=2)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -54,6 +54,6 @@ RUN useradd --uid 10001 --user-group --create-home --shell /bin/bash specdec
 USER 10001
 WORKDIR /home/specdec
 
-EXPOSE 50051 8265
+EXPOSE 50051 8000 8265
 ENTRYPOINT ["specdec"]
 CMD ["--help"]

@@ -183,15 +183,10 @@ class RoundMetrics:
 
     def _on_round(self, report: RoundReport) -> None:
         now = time.monotonic()
-        generated = report.committed_tokens
-        proposed = sum(u.proposed for u in report.updates)
-        accepted = sum(u.accepted for u in report.updates)
+        generated, proposed, accepted = report.committed_tokens, report.proposed_tokens, report.accepted_tokens
         finished = [(u.finish_reason or "unknown", u.stats.acceptance_rate if u.stats is not None else None)
-                    for u in report.updates if u.finished]
-        phases = {}
-        if report.ran:
-            phases = {"draft": report.draft_seconds, "verify": report.verify_seconds,
-                      "coordinator": report.overhead_seconds, "total": report.total_seconds}
+                    for u in report.finished]
+        phases = report.phase_seconds
         # Bytes of steps without a round (releases only) count in the totals at once and in the
         # per-round figures of the next round.
         wire = self._wire.take() if self._wire is not None else {}

@@ -59,3 +59,29 @@ class RoundReport:
     @property
     def committed_tokens(self) -> int:
         return sum(len(u.token_ids) for u in self.updates)
+
+    @property
+    def proposed_tokens(self) -> int:
+        return sum(u.proposed for u in self.updates)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(u.accepted for u in self.updates)
+
+    @property
+    def verified_requests(self) -> int:
+        """Requests the target verified this round: one target forward pass over each. Only a
+        verified request gets an update without an error (expiries and failures carry one)."""
+        return sum(1 for u in self.updates if u.error is None) if self.ran else 0
+
+    @property
+    def finished(self) -> list[RequestUpdate]:
+        return [u for u in self.updates if u.finished]
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Round latency by phase (draft, verify, coordinator, total); empty when no round ran."""
+        if not self.ran:
+            return {}
+        return {"draft": self.draft_seconds, "verify": self.verify_seconds, "coordinator": self.overhead_seconds,
+                "total": self.total_seconds}

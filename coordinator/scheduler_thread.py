@@ -43,12 +43,16 @@ _STOP = object()
 
 class SchedulerThread:
     """`scheduler_factory` is called on the thread (model loading never blocks an event loop);
-    requests submitted before it returns wait in the inbox. `on_round(report)` runs on the thread
-    after every step; an exception in it is logged and ignored."""
+    requests submitted before it returns wait in the inbox. After every step, on the thread,
+    `record_round(report)` (the server's own metrics) runs before the updates go out and
+    `on_round(report)` (the caller's hook, which tests swap freely) after; an exception in either
+    is logged and ignored."""
 
-    def __init__(self, scheduler_factory: Callable[[], Scheduler], on_round: OnRound | None = None):
+    def __init__(self, scheduler_factory: Callable[[], Scheduler], on_round: OnRound | None = None,
+                 record_round: OnRound | None = None):
         self._factory = scheduler_factory
         self.on_round = on_round
+        self.record_round = record_round
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()  # set once the scheduler exists (or failed to be made)
         self.start_error: BaseException | None = None
@@ -128,16 +132,22 @@ class SchedulerThread:
                         sched.abort(req_id)
                 self._fail_everyone(f"{type(e).__name__}: {e}", "internal")
                 continue
+            # The server's metrics first, so a client that has its answer finds it counted.
+            self._call(self.record_round, report)
             self._route(report.updates)
             if report.ran:
                 log.debug("round: %d requests, %d tokens, draft %.1f ms, verify %.1f ms, overhead %.1f ms",
                           report.batch_size, report.committed_tokens, 1e3 * report.draft_seconds,
                           1e3 * report.verify_seconds, 1e3 * report.overhead_seconds)
-            if self.on_round is not None:
-                try:
-                    self.on_round(report)
-                except Exception:  # noqa: BLE001 - metrics must never break serving
-                    log.exception("on_round hook failed")
+            self._call(self.on_round, report)
+
+    @staticmethod
+    def _call(hook: OnRound | None, report: RoundReport) -> None:
+        if hook is not None:
+            try:
+                hook(report)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                log.exception("round hook %r failed", hook)
 
     def _handle(self, command) -> None:
         if command[0] == "add":

@@ -1,9 +1,12 @@
-"""The public gRPC server's lifecycle: bind, serve, report health, drain, stop.
+"""The public servers' lifecycle: bind, serve, report health, drain, stop.
 
 It serves Generate (coordinator.servicer), grpc.health.v1 and server reflection on one grpc.aio
-server; the Scheduler runs on its own thread (coordinator.scheduler_thread). Health is NOT_SERVING
-until the scheduler is built, SERVING after, NOT_SERVING again while draining. Optional TLS (PEM
-paths) and an optional bearer token checked on every call but health (ServerConfig).
+server and, unless ServerConfig.http_port is 0, the OpenAI-compatible HTTP API (coordinator.http_api)
+with uvicorn on the same event loop (coordinator.http_server); both feed one SchedulerThread and
+pass one RequestGate. Health is NOT_SERVING (HTTP /health: 503) until the scheduler is built,
+SERVING after, NOT_SERVING again while draining. Optional TLS (PEM paths) and an optional bearer
+token checked on every call but health, on both ports (ServerConfig). The server's Prometheus
+registry (coordinator.prometheus_metrics) is fed by every round and every request.
 """
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.auth import HEALTH_SERVICE_NAME, BearerTokenInterceptor
+from coordinator.http_api import HttpApi
+from coordinator.http_server import HttpServer
+from coordinator.prometheus_metrics import PrometheusMetrics
+from coordinator.request_gate import RequestGate
 from coordinator.scheduler import Scheduler
 from coordinator.scheduler_thread import OnRound, SchedulerThread
 from coordinator.servicer import GenerationServicer
@@ -33,22 +40,27 @@ class GenerationServer:
     def __init__(self, scheduler_factory: Callable[[], Scheduler], tokenizer, config: ServerConfig,
                  on_round: OnRound | None = None):
         self.config = config
-        self.scheduler = SchedulerThread(scheduler_factory, on_round)
+        self.metrics = PrometheusMetrics()
+        self.gate = RequestGate()
+        self.scheduler = SchedulerThread(scheduler_factory, on_round, record_round=self.metrics.on_round)
         self.servicer: GenerationServicer | None = None
         self.tokenizer = tokenizer
         self.port: int | None = None
+        self.http_port: int | None = None  # None: the HTTP API is off
+        self._http: HttpServer | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._watch: asyncio.Task | None = None
         self._stopped: asyncio.Event | None = None
 
     async def start(self) -> int:
-        """Bind, start serving (health NOT_SERVING until the scheduler is ready); return the port."""
+        """Bind, start serving (health NOT_SERVING until the scheduler is ready); return the gRPC
+        port (`http_port` holds the HTTP one)."""
         config = self.config
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
         server = grpc.aio.server(options=list(wire.GRPC_SERVER_OPTIONS), interceptors=interceptors,
                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-        self.servicer = GenerationServicer(self.scheduler, self.tokenizer)
+        self.servicer = GenerationServicer(self.scheduler, self.tokenizer, self.gate, self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -64,12 +76,22 @@ class GenerationServer:
             raise RuntimeError(f"could not bind {config.address}: {e}") from e
         if port == 0:
             raise RuntimeError(f"could not bind {config.address}")
+        if config.http_enabled:
+            api = HttpApi(self.scheduler, self.tokenizer, self.gate, self.metrics, config.auth_token)
+            http = HttpServer(api.app, config.host, config.http_port, config.tls_cert, config.tls_key)
+            try:
+                self.http_port = await http.start()
+            except BaseException:
+                await server.stop(None)
+                raise
+            self._http = http
         self._server, self.port = server, port
         self._stopped = asyncio.Event()
         await server.start()
         self.scheduler.start()
         self._watch = asyncio.create_task(self._mark_ready())
-        log.info("specdec Generation serving on %s (port %d)", config.address, port)
+        log.info("specdec Generation serving on %s (port %d)%s", config.address, port,
+                 f", HTTP API on port {self.http_port}" if self._http else "")
         return port
 
     async def _set_health(self, status) -> None:
@@ -78,7 +100,7 @@ class GenerationServer:
 
     async def _mark_ready(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.ready.wait)
-        if self.scheduler.is_ready and not self.servicer.draining:
+        if self.scheduler.is_ready and not self.gate.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -93,19 +115,19 @@ class GenerationServer:
             await self._watch  # health says SERVING once this returns
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: refuse new calls (UNAVAILABLE), let in-flight ones finish for up to grace_s
-        seconds (default: the config's grace_period), cancel the rest, then stop the scheduler."""
-        if self._server is None or self.servicer.draining:
+        """Drain: refuse new calls (gRPC UNAVAILABLE, HTTP 503), let in-flight ones on both ports
+        finish for up to grace_s seconds (default: the config's grace_period), cancel the rest,
+        then stop the scheduler."""
+        if self._server is None or self.gate.draining:
             if self._stopped is not None:
                 await self._stopped.wait()
             return
         grace_s = self.config.grace_period if grace_s is None else grace_s
-        self.servicer.draining = True
+        self.gate.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if not await self.servicer.wait_idle(grace_s):
-            log.warning("%d requests still running after %ss of grace: cancelling them",
-                        self.servicer.in_flight, grace_s)
-        await self._server.stop(0.5)
+        if not await self.gate.wait_idle(grace_s):
+            log.warning("%d requests still running after %ss of grace: cancelling them", self.gate.in_flight, grace_s)
+        await asyncio.gather(self._server.stop(0.5), *([self._http.stop()] if self._http else []))
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop, 30.0)
         if self._watch is not None:
             self._watch.cancel()

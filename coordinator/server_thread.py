@@ -19,6 +19,11 @@ class ServerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="specdec-grpc", daemon=True)
         self.port: int | None = None
 
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port once started (None: off)."""
+        return self.server.http_port
+
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -54,8 +59,8 @@ class ServerThread:
         self.stop()
 
 
-# What tests and the load test serve on unless told otherwise: loopback, any free port.
-LOOPBACK_SERVER = ServerConfig(host="127.0.0.1", port=0, grace_period=5.0)
+# What tests and the load test serve on unless told otherwise: loopback, any free ports.
+LOOPBACK_SERVER = ServerConfig(host="127.0.0.1", port=0, http_port=-1, grace_period=5.0)
 
 
 @contextlib.contextmanager
@@ -63,7 +68,7 @@ def run_server_in_thread(scheduler_factory: Callable[[], Scheduler], tokenizer,
                          config: ServerConfig = LOOPBACK_SERVER, on_round: OnRound | None = None,
                          wait_ready: bool = True) -> Iterator[ServerThread]:
     """Start a GenerationServer on its own event-loop thread; yields the ServerThread (`.port`,
-    `.server`, `.call(coro)`); stops it (draining for config.grace_period) on exit."""
+    `.http_port`, `.server`, `.call(coro)`); stops it (draining for config.grace_period) on exit."""
     handle = ServerThread(GenerationServer(scheduler_factory, tokenizer, config, on_round))
     handle.start(wait_ready=wait_ready)
     try:

@@ -8,15 +8,17 @@ on the next round.
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import itertools
 import uuid
 
 import grpc
 
+from coordinator.prometheus_metrics import PrometheusMetrics
 from coordinator.request import RequestStats
-from coordinator.round_report import RequestUpdate
-from coordinator.scheduler_thread import SchedulerThread, Sink
+from coordinator.request_gate import RequestGate
+from coordinator.request_stream import RequestFailed, stream_request
+from coordinator.scheduler_thread import SchedulerThread
 from coordinator.validation import request_from_proto
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
@@ -36,27 +38,31 @@ def stats_to_proto(stats: RequestStats | None) -> generation_pb2.GenerationStats
     return msg
 
 
-def _error_status(update: RequestUpdate) -> tuple[grpc.StatusCode, str]:
-    kind, error = update.error_kind, update.error or "request failed"
-    if kind == "unavailable":
-        return grpc.StatusCode.UNAVAILABLE, f"the service is unavailable: {error}; retry later"
-    if kind == "deadline":
-        return grpc.StatusCode.DEADLINE_EXCEEDED, error
-    return grpc.StatusCode.INTERNAL, f"the request failed inside the service: {error}"
+_STATUS_OF_FAILURE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "unavailable": grpc.StatusCode.UNAVAILABLE,
+                      "deadline": grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _error_status(failure: RequestFailed) -> tuple[grpc.StatusCode, str]:
+    code = _STATUS_OF_FAILURE.get(failure.kind, grpc.StatusCode.INTERNAL)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return code, f"the service is unavailable: {failure.message}; retry later"
+    if code == grpc.StatusCode.INTERNAL:
+        return code, f"the request failed inside the service: {failure.message}"
+    return code, failure.message
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, scheduler: SchedulerThread, tokenizer):
+    def __init__(self, scheduler: SchedulerThread, tokenizer, gate: RequestGate | None = None,
+                 metrics: PrometheusMetrics | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.draining = False
-        self.in_flight = 0
+        self.gate = gate or RequestGate()
+        self.metrics = metrics
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
-        self._idle: asyncio.Event | None = None  # set whenever in_flight drops to 0
 
     async def Generate(self, request, context):
-        if self.draining:
+        if self.gate.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         if self.scheduler.ready.is_set() and self.scheduler.start_error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -66,57 +72,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                      context.time_remaining())
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        updates: asyncio.Queue = asyncio.Queue()
-        done = False
-
-        def on_done(_ctx) -> None:  # the RPC ended, however it ended: drop the request if it still runs
-            if not done:
-                self.scheduler.abort(req.req_id)
-
-        context.add_done_callback(on_done)
-        self._enter()
+        # The RPC ended, however it ended: drop the request if it still runs (aborting a finished
+        # or unknown request is a no-op).
+        context.add_done_callback(lambda _ctx: self.scheduler.abort(req.req_id))
+        self.gate.enter()
         try:
-            self.scheduler.submit(req, Sink(asyncio.get_running_loop(), updates))
-            while True:
-                item = await updates.get()
-                if isinstance(item, ValueError):
-                    done = True
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                update: RequestUpdate = item
-                if update.error_kind or (update.finished and update.error):
-                    done = True
-                    await context.abort(*_error_status(update))
-                response = generation_pb2.GenerateResponse(token_ids=update.token_ids, text=update.text)
-                if update.finished:
-                    done = True
-                    response.finish_reason = update.finish_reason or ""
-                    response.stats.CopyFrom(stats_to_proto(update.stats))
-                    yield response
-                    return
-                if update.token_ids or update.text:
-                    yield response
+            async with contextlib.aclosing(stream_request(self.scheduler, req, self.metrics)) as updates:
+                async for update in updates:
+                    response = generation_pb2.GenerateResponse(token_ids=update.token_ids, text=update.text)
+                    if update.finished:
+                        response.finish_reason = update.finish_reason or ""
+                        response.stats.CopyFrom(stats_to_proto(update.stats))
+                        yield response
+                        return
+                    if update.token_ids or update.text:
+                        yield response
+        except RequestFailed as failure:
+            await context.abort(*_error_status(failure))
         finally:
-            if not done:  # cancelled (client gone, deadline, server stop): free its blocks now
-                done = True
-                self.scheduler.abort(req.req_id)
-            self._leave()
-
-    def _enter(self) -> None:
-        self.in_flight += 1
-        if self._idle is not None:
-            self._idle.clear()
-
-    def _leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0 and self._idle is not None:
-            self._idle.set()
-
-    async def wait_idle(self, timeout: float | None) -> bool:
-        if self.in_flight == 0:
-            return True
-        self._idle = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+            self.gate.leave()

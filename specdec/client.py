@@ -1,7 +1,7 @@
 """Client for the specdec Generation service (imports only grpc and the generated protobufs)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -18,16 +18,20 @@ class GenerateResult(NamedTuple):
     stats: generation_pb2.GenerationStats
 
 
-def build_request(prompt: str | Sequence[int], *, max_new_tokens: int | None = None,
-                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                  repetition_penalty: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                  ignore_eos: bool = False, num_speculative_tokens: int | None = None
+def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                  max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+                  top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
+                  stop: Sequence[str] = (), ignore_eos: bool = False, num_speculative_tokens: int | None = None
                   ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest; None leaves a field unset (the server's default applies)."""
+    """A GenerateRequest from a prompt (text or token ids) or from chat `messages` (a list of
+    {"role": "system" | "user" | "assistant", "content": text}, which the server renders with the
+    model's chat template); None leaves a field unset (the server's default applies)."""
     request = generation_pb2.GenerateRequest(stop=list(stop), ignore_eos=ignore_eos)
+    if messages is not None:
+        request.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     if isinstance(prompt, str):
         request.prompt = prompt
-    else:
+    elif prompt is not None:
         request.prompt_token_ids.extend(int(t) for t in prompt)
     if max_new_tokens is not None:
         request.max_new_tokens = max_new_tokens
@@ -59,17 +63,17 @@ class GenerationClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
-    def generate_stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+    def generate_stream(self, prompt: str | Sequence[int] | None = None, *, timeout: float | None = None,
                         wait_for_ready: bool = False, **options):
         """Stream GenerateResponse messages. The returned call is an iterator and also has
         `.cancel()`; gRPC errors surface as grpc.RpcError while iterating. Options: see
-        build_request (max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
-        ignore_eos, num_speculative_tokens)."""
+        build_request (messages instead of a prompt for chat, max_new_tokens, temperature, top_k,
+        top_p, repetition_penalty, seed, stop, ignore_eos, num_speculative_tokens)."""
         return self._stub.Generate(build_request(prompt, **options), timeout=timeout, metadata=self._metadata,
                                    wait_for_ready=wait_for_ready)
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerateResult:
-        """The whole completion: (token_ids, text, finish_reason, stats)."""
+    def generate(self, prompt: str | Sequence[int] | None = None, **kwargs) -> GenerateResult:
+        """The whole completion: (token_ids, text, finish_reason, stats). Chat: `messages=[...]`."""
         token_ids: list[int] = []
         texts: list[str] = []
         finish_reason, stats = "", generation_pb2.GenerationStats()

@@ -149,16 +149,20 @@ def host_port(host: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = setting("0.0.0.0", "public bind address of the Generation service")
-    port: int = setting(50051, "public port (0: any free port)")
-    tls_cert: str | None = setting(None, "PEM certificate for the public port (with tls_key)")
-    tls_key: str | None = setting(None, "PEM private key for the public port")
-    auth_token: str | None = setting(None, "require 'authorization: Bearer <token>' on every call but health")
+    host: str = setting("0.0.0.0", "public bind address of the Generation service (gRPC and HTTP)")
+    port: int = setting(50051, "public gRPC port (0: any free port)")
+    http_port: int = setting(8000, "public port of the OpenAI-compatible HTTP API (0: off; -1: any free port)")
+    tls_cert: str | None = setting(None, "PEM certificate for the public ports (with tls_key)")
+    tls_key: str | None = setting(None, "PEM private key for the public ports")
+    auth_token: str | None = setting(None, "require 'authorization: Bearer <token>' on every gRPC and HTTP call "
+                                           "but health")
     grace_period: float = setting(30.0, "seconds in-flight requests may take to finish when the server stops")
     max_concurrent_rpcs: int | None = setting(None, "public RPCs served at once; unset: no limit")
 
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536, "server.port", "a port number", self.port)
+        _check(isinstance(self.http_port, int) and -1 <= self.http_port < 65536, "server.http_port",
+               "a port number, 0 (off) or -1 (any free port)", self.http_port)
         _check((self.tls_cert is None) == (self.tls_key is None), "server.tls_key",
                "given together with tls_cert", self.tls_key)
         _check(self.grace_period >= 0, "server.grace_period", "a number of seconds >= 0", self.grace_period)
@@ -167,6 +171,10 @@ class ServerConfig:
     @property
     def address(self) -> str:
         return host_port(self.host, self.port)
+
+    @property
+    def http_enabled(self) -> bool:
+        return self.http_port != 0
 
 
 @dataclass(frozen=True)

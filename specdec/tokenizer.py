@@ -1,7 +1,7 @@
 """Optional tokenizer loading: prompts may be token ids, so a checkpoint without one still runs."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -27,3 +27,41 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:
             raise ValueError("the prompt tokenizes to no tokens")
         return ids
     return [int(t) for t in prompt]
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def render_chat(tokenizer, messages: Sequence) -> list[int]:
+    """Token ids of a conversation rendered with the model's own chat template, the assistant's
+    turn opened (add_generation_prompt). The one place chat becomes a prompt: the gRPC and HTTP
+    servers and LocalEngine all call it. ValueError says what is wrong."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; send a prompt instead")
+    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {role, content} messages")
+    if not messages:
+        raise ValueError("messages is empty: give at least one message")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a {{role, content}} object, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        conversation.append({"role": role, "content": content})
+    from jinja2.exceptions import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except TemplateError as e:  # templates reject conversations they cannot render (raise_exception)
+        raise ValueError(f"the model's chat template rejected the messages: {e}") from None
+    if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding regardless
+        ids = ids["input_ids"]
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("the chat template renders the messages to no tokens")
+    return ids

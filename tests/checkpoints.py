@@ -100,3 +100,18 @@ def use_policy(engine, policy: str):
     elif policy != "fixed":
         raise ValueError(policy)
     return engine
+
+
+# A minimal chat template: "role: content" lines, then the assistant's turn opened.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def add_chat_template(path: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """Give the tokenizer saved in `path` a chat template (saved beside it, as transformers does)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return path

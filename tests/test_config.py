@@ -67,6 +67,7 @@ def test_flat_settings_set_every_role_they_name():
     (dict(ngram_min=3, ngram_max=2), "draft.ngram_max"),
     (dict(max_q_entries=0), "draft.max_q_entries"),
     (dict(port=70000), "server.port"),
+    (dict(http_port=-2), "server.http_port"),
     (dict(tls_cert="cert.pem"), "server.tls_key"),
     (dict(grace_period=-1.0), "server.grace_period"),
     (dict(max_restarts=-2), "ray.max_restarts"),
@@ -107,6 +108,16 @@ def test_a_flag_beats_the_environment_which_beats_the_default():
     assert given == {"port": 5000, "num_speculative_tokens": 3, "ray": False, "max_batch_size": 7}
     config = ServiceConfig.from_settings(**given)
     assert config.server.host == describe("host").default  # untouched: the default
+
+
+def test_http_port_and_the_api_key_spelling_of_the_token():
+    given = given_settings(_serve_args(["--api-key", "k3y", "--http-port", "-1"]), all_serve_settings(), {})
+    assert given == {"auth_token": "k3y", "http_port": -1}
+    config = ServiceConfig.from_settings(**given).server
+    assert config.auth_token == "k3y" and config.http_enabled
+    env = given_settings(_serve_args([]), all_serve_settings(), {"SPECDEC_HTTP_PORT": "0"})
+    assert env == {"http_port": 0} and not ServiceConfig.from_settings(**env).server.http_enabled
+    assert ServiceConfig().server.http_port == 8000
 
 
 def test_serve_uses_the_shipped_draft_only_with_the_shipped_target(monkeypatch, tmp_path):

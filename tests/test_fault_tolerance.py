@@ -54,8 +54,8 @@ def deployment(models):
         target, draft = models
         # K fixed: every round uses the draft, so both workers' deaths are felt at once.
         dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=K,
-                                                 adaptive=False, host="127.0.0.1", port=0, name="specdec-ft",
-                                                 worker_cpus=0.5, worker_round_timeout=HANG_S))
+                                                 adaptive=False, host="127.0.0.1", port=0, http_port=0,
+                                                 name="specdec-ft", worker_cpus=0.5, worker_round_timeout=HANG_S))
         try:
             yield dep
         finally:

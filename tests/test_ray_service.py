@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -55,7 +56,8 @@ def deployment(ray_cluster, models):
 
     target, draft = models
     dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
-                                             adaptive=False, host="127.0.0.1", port=0, name="specdec-test",
+                                             adaptive=False, host="127.0.0.1", port=0, http_port=-1,
+                                             name="specdec-test",
                                              worker_cpus=0.5))
     yield dep
     dep.drain_and_stop(grace_s=2)
@@ -97,6 +99,14 @@ def test_actors_serve_the_local_engine_tokens(deployment, models):
     assert 0 < snap["proposed"] and 0 <= snap["accepted"] <= snap["proposed"]
     assert {"draft", "verify", "total", "coordinator"} <= set(snap["round_seconds"])
     assert snap["kv_blocks_total"] > 0
+
+    # The coordinator actor serves the HTTP API beside gRPC, on the same scheduler.
+    base = f"http://127.0.0.1:{deployment.http_port}"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    reply = httpx.post(f"{base}/v1/completions", json={"model": target.name, "prompt": PROMPT, "max_tokens": 3,
+                                                        "temperature": 0}).json()
+    assert reply["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 3, "total_tokens": len(PROMPT) + 3}
+    assert "specdec_generated_tokens_total" in httpx.get(f"{base}/metrics").text
 
 
 def test_round_callback_with_and_without_ray(models):
@@ -164,7 +174,8 @@ def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, mod
         proc = subprocess.Popen(
             [sys.executable, "-m", "specdec.app.cli", "serve", "--target", str(target), "--draft", str(draft),
              "--host", "127.0.0.1", "--port", str(port), "--ray-address", ray_cluster, "--name", "specdec-sigterm",
-             "--worker-cpus", "0.5", "--worker-host", "127.0.0.1", "--grace-period", "60", "--quiet"],
+             "--worker-cpus", "0.5", "--worker-host", "127.0.0.1", "--grace-period", "60", "--http-port", "-1",
+             "--quiet"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
@@ -172,6 +183,7 @@ def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, mod
     try:
         ready = _wait_line(lines, "specdec serving", 90, seen)
         assert f"127.0.0.1:{port}" in ready and "+draft" in ready
+        assert "OpenAI-compatible HTTP API at http://127.0.0.1:" in ready
 
         n = MAX_POS - len(PROMPT) - 16  # long: ~1000 target-only rounds
         request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=n, ignore_eos=True,

@@ -81,8 +81,8 @@ def run_chaos(config: ServiceConfig, load: LoadConfig, every_s: float) -> tuple[
     paths = {role: str(Path(model).resolve()) for role, model in (("target", config.target.model),
                                                                   ("draft", config.draft.model))
              if model is not None and Path(model).exists()}
-    config = ServiceConfig.from_settings(config, host="127.0.0.1", port=0, max_restarts=-1, name="specdec-chaos",
-                                         **paths)
+    config = ServiceConfig.from_settings(config, host="127.0.0.1", port=0, http_port=0, max_restarts=-1,
+                                         name="specdec-chaos", **paths)
     chaos = ChaosReport(every_s=every_s)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
     ray.init(include_dashboard=False, logging_level="WARNING", namespace="specdec",

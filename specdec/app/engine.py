@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.request import Request, RequestStats
@@ -10,7 +10,7 @@ from coordinator.scheduler_thread import OnRound
 from specdec.app.embedded import LocalSchedulerFactory
 from specdec.config import ServiceConfig
 from specdec.params import SamplingParams
-from specdec.tokenizer import encode_prompt
+from specdec.tokenizer import encode_prompt, render_chat
 
 
 @dataclass
@@ -43,6 +43,10 @@ class LocalEngine:
     speculation), "ngram" or a checkpoint directory sharing the target's tokenizer; `settings`:
     any flat setting of specdec.config (num_speculative_tokens, max_batch_size, device, dtype,
     kv_cache_blocks, ...). `on_round(report)` is called with every RoundReport.
+
+    `generate(prompts, params)` completes text or token-id prompts; `chat(conversations, params)`
+    answers conversations, each rendered with the model's chat template first (the same rendering
+    as the servers'). Both batch internally and return one GenerationOutput per input, in order.
     """
 
     def __init__(self, target: str | None = None, draft: str | None = None, *,
@@ -69,13 +73,30 @@ class LocalEngine:
         """Generate for every prompt (batched internally); outputs come back in prompt order."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list (of strings or of token-id lists), not a single string")
+        return self._run([self.encode(p) for p in prompts], params, num_speculative_tokens, progress)
+
+    def chat(self, conversations: Sequence[Sequence[Mapping[str, str]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             num_speculative_tokens: int | None = None, progress: bool = False) -> list[GenerationOutput]:
+        """Answer every conversation (a list of {"role": "system" | "user" | "assistant",
+        "content": text} messages), rendered with the model's chat template; outputs come back in
+        order. ValueError when the model has no chat template or a message is malformed."""
+        if not isinstance(conversations, Sequence) or isinstance(conversations, str) or (
+                conversations and isinstance(conversations[0], Mapping)):
+            raise TypeError("conversations must be a list of conversations (each a list of messages), "
+                            "e.g. engine.chat([[{'role': 'user', 'content': 'hi'}]])")
+        return self._run([render_chat(self.tokenizer, c) for c in conversations], params, num_speculative_tokens,
+                         progress)
+
+    def _run(self, prompt_ids: list[list[int]], params: SamplingParams | Sequence[SamplingParams] | None,
+             num_speculative_tokens: int | None, progress: bool) -> list[GenerationOutput]:
         params = params if params is not None else SamplingParams()
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        requests = [Request(req_id=f"local-{next(self._ids)}", prompt_ids=self.encode(p), params=sp,
+        per_prompt = [params] * len(prompt_ids) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompt_ids):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompt_ids)} prompts")
+        requests = [Request(req_id=f"local-{next(self._ids)}", prompt_ids=ids, params=sp,
                             num_speculative_tokens=num_speculative_tokens)
-                    for p, sp in zip(prompts, per_prompt)]
+                    for ids, sp in zip(prompt_ids, per_prompt)]
         for request in requests:  # validate all before queueing any, so a bad prompt queues nothing
             self.scheduler.validate(request)
         for request in requests:

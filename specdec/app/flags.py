@@ -19,12 +19,14 @@ SERVE_SETTINGS = {
     "models": ("target", "draft", "num_speculative_tokens", "adaptive", "device", "dtype", "max_batch_size",
                "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "target_threads", "draft_threads",
                "max_q_entries", "ngram_max", "ngram_min", "ngram_window"),
-    "network": ("host", "port", "tls_cert", "tls_key", "auth_token", "grace_period", "max_concurrent_rpcs"),
+    "network": ("host", "port", "http_port", "tls_cert", "tls_key", "auth_token", "grace_period",
+                "max_concurrent_rpcs"),
     "ray": ("ray", "ray_address", "dashboard_host", "dashboard_port", "name", "worker_host", "worker_cpus",
             "max_restarts", "worker_wait", "target_worker_port", "draft_worker_port"),
     "worker failures": ("worker_round_timeout", "worker_recovery_timeout"),
 }
-SHORT_FLAGS = {"num_speculative_tokens": "-k"}
+# Other spellings of a setting's flag: short ones, and the name OpenAI clients know the token by.
+FLAG_ALIASES = {"num_speculative_tokens": "-k", "auth_token": "--api-key"}
 # Extra spellings of "no" for a boolean setting.
 NEGATIVE_FLAGS = {"adaptive": "--fixed-k"}
 
@@ -51,7 +53,7 @@ def add_settings(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name
         info = describe(name)
         default = (defaults_note or {}).get(name, format_default(info.default))
         help_text = f"{info.help} (default: {default}; env {info.env_var})".replace("%", "%%")
-        flags = [flag(name)] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
+        flags = [flag(name)] + ([FLAG_ALIASES[name]] if name in FLAG_ALIASES else [])
         if info.value_type is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             if name in NEGATIVE_FLAGS:
@@ -87,7 +89,7 @@ def settings_table(defaults_note: Mapping[str, str] | None = None) -> str:
         shown = [flag(name)] if info.value_type is not bool else [f"{flag(name)} / --no-{flag(name)[2:]}"]
         shown += [f"/ {NEGATIVE_FLAGS[name]}"] if name in NEGATIVE_FLAGS else []
         default = (defaults_note or {}).get(name, format_default(info.default))
-        rows.append(f"| `{' '.join(shown + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else []))}` "
+        rows.append(f"| `{' '.join(shown + ([FLAG_ALIASES[name]] if name in FLAG_ALIASES else []))}` "
                     f"| `{info.env_var}` | {default} | {info.help} |")
     return "\n".join(rows)
 

@@ -1,4 +1,4 @@
-"""`specdec generate "prompt"`: stream a completion from a running server to the terminal."""
+"""`specdec generate "prompt"` (or `--chat "text"`): stream a completion from a running server to the terminal."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,10 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", nargs="?", help="text to complete (or use --token-ids)")
+    parser.add_argument("prompt", nargs="?", help="text to complete (or use --token-ids or --chat)")
+    parser.add_argument("--chat", default=None, metavar="TEXT",
+                        help="send TEXT as a user chat message (the server applies the model's chat template)")
+    parser.add_argument("--system", default=None, metavar="TEXT", help="a system message before --chat's")
     parser.add_argument("--address", default="127.0.0.1:50051", help="server host:port (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the server's (64)")
     parser.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
@@ -32,6 +35,11 @@ def _parse_ids(text: str) -> list[int]:
         raise SystemExit(f"error: --token-ids must be integers separated by commas or spaces, got {text!r}") from None
 
 
+def chat_messages(user: str, system: str | None = None) -> list[dict[str, str]]:
+    """The conversation `--chat` sends: an optional system message, then the user's."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": user}]
+
+
 def format_stats(finish_reason: str, stats) -> str:
     acc = f"{stats.acceptance_rate:.3f}" if stats.HasField("acceptance_rate") else "n/a"
     return (f"finish_reason={finish_reason} prompt_tokens={stats.prompt_tokens} "
@@ -45,16 +53,25 @@ def run(args: argparse.Namespace) -> int:
 
     from specdec.client import GenerationClient
 
-    if args.token_ids is not None:
+    if args.chat is not None and (args.prompt is not None or args.token_ids is not None):
+        print("error: give either --chat or a prompt / --token-ids, not both", file=sys.stderr)
+        return 2
+    if args.system is not None and args.chat is None:
+        print("error: --system needs --chat", file=sys.stderr)
+        return 2
+    prompt, messages = None, None
+    if args.chat is not None:
+        messages = chat_messages(args.chat, args.system)
+    elif args.token_ids is not None:
         prompt = _parse_ids(args.token_ids)
     elif args.prompt is not None:
         prompt = args.prompt
     else:
-        print("error: give a prompt or --token-ids", file=sys.stderr)
+        print("error: give a prompt, --token-ids or --chat", file=sys.stderr)
         return 2
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                   ignore_eos=args.ignore_eos, num_speculative_tokens=args.num_speculative_tokens)
+    options = dict(messages=messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   stop=args.stop, ignore_eos=args.ignore_eos, num_speculative_tokens=args.num_speculative_tokens)
     token_ids: list[int] = []
     any_text = False
     finish_reason, stats = "", None

@@ -519,7 +519,7 @@ def _settle(handle, workers, report: LoadReport, settle_s: float) -> None:
     while time.monotonic() < end:
         sched = thread.scheduler
         idle = thread.num_active == 0 and not sched.running and not sched.waiting \
-            and handle.server.servicer.in_flight == 0
+            and handle.server.gate.in_flight == 0
         if idle and not any(c.allocator.num_used for c in _caches(workers).values()):
             break
         time.sleep(0.01)

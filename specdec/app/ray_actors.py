@@ -6,7 +6,8 @@
   127.0.0.1: workers are internal and never listen on a public address unless asked to. In a
   cluster pass the node's address (`host="node-ip"` resolves to the Ray node IP).
 - `CoordinatorActor` connects GrpcTargetClient / GrpcDraftClient to those addresses and runs the
-  public Generation server (coordinator.server) on the public port, with the metrics callback
+  public Generation server (coordinator.server) on the public ports (gRPC and, unless
+  http_port is 0, the OpenAI-compatible HTTP API), with the metrics callback
   (coordinator.metrics) so that the Ray dashboard shows acceptance, tokens/s, latency, queue.
 
 Per-round traffic never goes through Ray actor calls (~4 ms each here, see DESIGN.md): the only
@@ -190,7 +191,8 @@ class CoordinatorActor:
                 client.on_hang = _restarter(name, namespace)
 
     def ready(self) -> dict:
-        return {"kind": "coordinator", "address": self._address, "port": self.port, "pid": os.getpid(),
+        return {"kind": "coordinator", "address": self._address, "port": self.port,
+                "http_port": self.handle.http_port, "pid": os.getpid(),
                 "node_ip": ray.util.get_node_ip_address(), "metrics_exported": self.metrics.exporting}
 
     def address(self) -> str:
@@ -233,6 +235,7 @@ class Deployment:
     draft: ray.actor.ActorHandle | None
     address: str  # the public address clients dial
     port: int
+    http_port: int | None  # the OpenAI-compatible HTTP API's port on the coordinator's node; None: off
     target_address: str
     draft_address: str | None
     startup_seconds: float = 0.0
@@ -339,7 +342,7 @@ def launch(config: ServiceConfig, *, target_gpus: float | None = None, draft_gpu
             raise
         raise RuntimeError(_explain_start_error(e)) from e
     return Deployment(coordinator=coordinator, target=target_actor, draft=draft_actor,
-                      address=coord_info["address"], port=coord_info["port"],
+                      address=coord_info["address"], port=coord_info["port"], http_port=coord_info["http_port"],
                       target_address=target_info["address"],
                       draft_address=draft_info["address"] if draft_info else None,
                       startup_seconds=time.perf_counter() - t0,

@@ -1,13 +1,15 @@
 """`specdec serve`: start the service.
 
 With no arguments: start a local Ray instance (dashboard on http://127.0.0.1:8265), put the
-shipped pair (models/target drafted by models/draft) in Ray actors, and serve Generate on
-0.0.0.0:50051. Workers listen on 127.0.0.1 only; only the coordinator's public port is open.
+shipped pair (models/target drafted by models/draft) in Ray actors, and serve Generate (gRPC) on
+0.0.0.0:50051 and the OpenAI-compatible HTTP API on 0.0.0.0:8000 (--http-port; 0: off). Workers
+listen on 127.0.0.1 only; only the coordinator's public ports are open.
 
   specdec serve                                   # shipped pair, local Ray, port 50051
   specdec serve --target DIR --draft ngram        # n-gram (prompt lookup) drafting
   specdec serve --ray-address auto --worker-host node-ip   # join a running cluster
   specdec serve --no-ray                          # one process, no Ray (development, tests)
+  specdec serve --no-ray --http-port 8000 --api-key s3cret   # OpenAI clients: base_url http://host:8000/v1
 
 Every setting is also read from its SPECDEC_* environment variable (named in each flag's help);
 a flag beats the environment, the environment beats the default.
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 
 from specdec.app.flags import SERVE_SETTINGS, add_settings, all_serve_settings, given_settings
-from specdec.config import REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET, ConfigError, ServiceConfig
+from specdec.config import REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET, ConfigError, ServiceConfig, host_port
 
 DRAFT_DEFAULT_NOTE = "models/draft with the shipped target, else none"
 
@@ -89,8 +91,8 @@ def build_config(args) -> ServiceConfig:
     return ServiceConfig.from_settings(config, target=target, draft=draft)
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail early and clearly (before Ray starts) if the public port is taken."""
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """Fail early and clearly (before Ray starts) if a public port is taken."""
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -98,10 +100,10 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host.strip("[]"), port))
         except PermissionError:
-            raise ServeError(f"no permission to bind {host}:{port}: choose a port above 1023 with --port") from None
+            raise ServeError(f"no permission to bind {host}:{port}: choose a port above 1023 with {flag}") from None
         except OSError as e:
             raise ServeError(f"port {port} on {host} is in use ({e.strerror}): is another specdec serve "
-                             f"running? Choose another with --port") from None
+                             f"running? Choose another with {flag}") from None
 
 
 # --- signals ---------------------------------------------------------------------------------
@@ -137,6 +139,14 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+def _http_note(config: ServiceConfig, http_port: int | None) -> str:
+    """", OpenAI-compatible HTTP API at http://host:port/v1" when it is on."""
+    if not http_port:
+        return ""
+    scheme = "https" if config.server.tls_cert else "http"
+    return f", OpenAI-compatible HTTP API at {scheme}://{host_port(config.server.host, http_port)}/v1"
+
+
 def _describe(config: ServiceConfig) -> str:
     return (f"{config.target.model} (+draft {config.draft.model})" if config.draft.model
             else f"{config.target.model} (no draft)")
@@ -159,7 +169,8 @@ def _serve_in_process(config: ServiceConfig, signals: _Signals) -> int:
     except Exception as e:  # noqa: BLE001
         handle.stop(0)
         raise ServeError(f"could not start: {e}") from e
-    _say(f"specdec serving {_describe(config)} on {config.server.host}:{port} (in-process, no Ray)")
+    http = _http_note(config, handle.http_port)
+    _say(f"specdec serving {_describe(config)} on {config.server.host}:{port} (gRPC){http} (in-process, no Ray)")
     signals.wait()
     _say(f"specdec: {signals.received}, draining (grace {config.server.grace_period:g}s)")
     handle.stop()
@@ -240,7 +251,7 @@ def _serve_with_ray(config: ServiceConfig, quiet: bool, signals: _Signals) -> in
         if signals.stop.is_set():
             deployment.drain_and_stop(0)
             return 0
-        where = f"{config.server.host}:{deployment.port}"
+        where = f"{config.server.host}:{deployment.port} (gRPC){_http_note(config, deployment.http_port)}"
         extra = f"; dashboard at {dashboard}" if dashboard else ""
         _say(f"specdec serving {_describe(config)} on {where}{extra} "
              f"(ready in {time.perf_counter() - t0:.1f}s; workers: target {deployment.target_address}"
@@ -267,6 +278,8 @@ def run(args) -> int:
     try:
         config = build_config(args)
         check_port_free(config.server.host, config.server.port)
+        if config.server.http_port > 0:
+            check_port_free(config.server.host, config.server.http_port, "--http-port")
         if not config.ray.enabled:
             return _serve_in_process(config, signals)
         return _serve_with_ray(config, args.quiet, signals)

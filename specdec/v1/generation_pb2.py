@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\"\xbc\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xfc\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.SamplingOptions\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x19\n\x17_num_speculative_tokens\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\xdf\x01\n\x0fGenerationStats\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x14mean_accepted_length\x18\x02 \x01(\x01\x12\x0e\n\x06rounds\x18\x03 \x01(\x03\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\x03\x12\x1c\n\x14\x64raft_forward_passes\x18\x05 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x42\x12\n\x10_acceptance_rate2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\"\xbc\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa7\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x08 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.SamplingOptions\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x19\n\x17_num_speculative_tokens\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\xdf\x01\n\x0fGenerationStats\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x14mean_accepted_length\x18\x02 \x01(\x01\x12\x0e\n\x06rounds\x18\x03 \x01(\x03\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\x03\x12\x1c\n\x14\x64raft_forward_passes\x18\x05 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x42\x12\n\x10_acceptance_rate2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=44
   _globals['_SAMPLINGOPTIONS']._serialized_end=232
-  _globals['_GENERATEREQUEST']._serialized_start=235
-  _globals['_GENERATEREQUEST']._serialized_end=487
-  _globals['_GENERATERESPONSE']._serialized_start=489
-  _globals['_GENERATERESPONSE']._serialized_end=607
-  _globals['_GENERATIONSTATS']._serialized_start=610
-  _globals['_GENERATIONSTATS']._serialized_end=833
-  _globals['_GENERATION']._serialized_start=835
-  _globals['_GENERATION']._serialized_end=920
+  _globals['_CHATMESSAGE']._serialized_start=234
+  _globals['_CHATMESSAGE']._serialized_end=278
+  _globals['_GENERATEREQUEST']._serialized_start=281
+  _globals['_GENERATEREQUEST']._serialized_end=576
+  _globals['_GENERATERESPONSE']._serialized_start=578
+  _globals['_GENERATERESPONSE']._serialized_end=696
+  _globals['_GENERATIONSTATS']._serialized_start=699
+  _globals['_GENERATIONSTATS']._serialized_end=922
+  _globals['_GENERATION']._serialized_start=924
+  _globals['_GENERATION']._serialized_end=1009
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,451 @@
+"""The OpenAI-compatible HTTP API end to end on 127.0.0.1, driven by the official `openai` package
+and raw httpx: outputs equal LocalEngine's (completions and chat, streamed and not, greedy and
+seeded), usage, Server-Sent Events framing, every error in OpenAI's shape, /health, /metrics,
+and a client that disconnects freeing its KV blocks.
+
+The served model is a random checkpoint whose tokenizer has a chat template; the server runs the
+default adaptive speculation policy and so does the reference engine: greedy output does not
+depend on K, and a seeded request's K depends only on its own history, so outputs must match.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import ssl
+import threading
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.prometheus_metrics import PrometheusMetrics
+from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
+from specdec import LocalEngine, ServiceConfig
+from specdec.app.embedded import LocalSchedulerFactory
+from specdec.client import GenerationClient
+from specdec.params import SamplingParams
+from specdec.tokenizer import load_tokenizer
+
+from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
+from test_server_e2e import KV, MAX_POS, save_tokenizer, slow_rounds, wait_until
+
+K = 4
+TOKEN = "s3cret"
+PROMPT = "the quick brown fox"
+IDS = [5, 17, 99, 3, 42]
+CHAT = [{"role": "system", "content": "speculative decoding drafts tokens"},
+        {"role": "user", "content": "hello server"}]
+SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40, seed=7)
+OPENAI_SAMPLED = dict(temperature=0.9, top_p=0.95, seed=7, extra_body={"top_k": 40})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = build_checkpoint(tmp_path_factory.mktemp("http-target"), seed=0, max_position_embeddings=MAX_POS,
+                              **CONFIGS["gqa_untied"])
+    save_tokenizer(target)
+    plain = Path(shutil.copytree(target, tmp_path_factory.mktemp("http-plain") / "plain"))  # no chat template
+    add_chat_template(target)
+    draft = perturbed_copy(target, tmp_path_factory.mktemp("http-draft"), noise=0.3)
+    return SimpleNamespace(target=str(target), draft=str(draft), plain=str(plain))
+
+
+def config(models, **settings) -> ServiceConfig:
+    return ServiceConfig.from_settings(**{"target": models.target, "draft": models.draft, "num_speculative_tokens": K,
+                                          **KV, **settings})
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return LocalEngine(config=config(models))
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    factory = LocalSchedulerFactory(config(models))
+    with run_server_in_thread(factory, factory.tokenizer, replace(LOOPBACK_SERVER, auth_token=TOKEN)) as handle:
+        base = f"http://127.0.0.1:{handle.http_port}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        yield SimpleNamespace(handle=handle, base=base, client=client, factory=factory, model=models.target,
+                              scheduler=handle.server.scheduler, headers={"Authorization": f"Bearer {TOKEN}"})
+        client.close()
+
+
+def kv_used(factory) -> int:
+    return factory.target_worker.cache.allocator.num_used
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    body = exc.body if isinstance(exc.body, dict) else json.loads(exc.response.text)
+    return body.get("error", body)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The decoded `data:` payloads of an SSE body (the final "[DONE]" as the string)."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# --- models, health ----------------------------------------------------------------------------
+
+
+def test_models_and_health(served):
+    assert httpx.get(f"{served.base}/health").json() == {"status": "ok"}  # no token needed
+    models = served.client.models.list().data
+    assert [m.id for m in models] == [served.model] and models[0].object == "model"
+    assert served.client.models.retrieve(Path(served.model).name).id == served.model  # the basename is accepted
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("gpt-4")
+
+
+# --- outputs equal LocalEngine's ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling,openai_sampling", [
+    (dict(temperature=0.0), dict(temperature=0)),
+    (SAMPLED, OPENAI_SAMPLED),
+    (dict(temperature=1.0, seed=5), dict(seed=5)),  # unset temperature is OpenAI's 1.0
+], ids=["greedy", "seeded", "default-temperature"])
+@pytest.mark.parametrize("prompt", [PROMPT, IDS], ids=["text", "token-ids"])
+def test_completions_equal_local_engine(served, reference, prompt, sampling, openai_sampling):
+    want = reference.generate([prompt], SamplingParams(max_new_tokens=20, **sampling))[0]
+    assert want.text  # the comparison is not between empty strings
+    prompt_tokens = len(reference.encode(prompt))
+    got = served.client.completions.create(model=served.model, prompt=prompt, max_tokens=20, **openai_sampling)
+    assert got.object == "text_completion" and len(got.choices) == 1
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        prompt_tokens, 20, prompt_tokens + 20)
+
+    chunks = list(served.client.completions.create(model=served.model, prompt=prompt, max_tokens=20, stream=True,
+                                                   stream_options={"include_usage": True}, **openai_sampling))
+    *deltas, usage_chunk = chunks
+    assert len(deltas) > 1  # streamed round by round
+    assert "".join(c.choices[0].text for c in deltas) == want.text
+    assert [c.choices[0].finish_reason for c in deltas] == [None] * (len(deltas) - 1) + ["length"]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
+    assert usage_chunk.usage.prompt_tokens == prompt_tokens
+
+
+@pytest.mark.parametrize("sampling,openai_sampling", [(dict(temperature=0.0), dict(temperature=0)),
+                                                      (SAMPLED, OPENAI_SAMPLED)], ids=["greedy", "seeded"])
+def test_chat_completions_equal_local_engine(served, reference, sampling, openai_sampling):
+    want = reference.chat([CHAT], SamplingParams(max_new_tokens=16, **sampling))[0]
+    assert want.text
+    got = served.client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=16, **openai_sampling)
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == "length" and got.usage.completion_tokens == 16
+
+    chunks = list(served.client.chat.completions.create(model=served.model, messages=CHAT, stream=True,
+                                                        max_completion_tokens=16, **openai_sampling))
+    assert all(c.object == "chat.completion.chunk" for c in chunks) and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert [c.choices[0].finish_reason for c in chunks][-2:] == [None, "length"]
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
+
+
+def test_sse_framing_and_stop_strings(served, reference):
+    full = reference.generate([PROMPT], SamplingParams(max_new_tokens=24))[0].text
+    stop = full[len(full) // 2:][:3]
+    assert stop.strip()
+    body = dict(model=served.model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "never seen"],
+                stream=True, stream_options={"include_usage": True})
+    response = httpx.post(f"{served.base}/v1/completions", json=body, headers=served.headers)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full[:full.index(stop)]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert len({c["id"] for c in events[:-1]}) == 1 and usage["choices"] == []
+    assert set(usage["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    single = served.client.completions.create(model=served.model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                              stop=stop)
+    assert single.choices[0].text == full[:full.index(stop)] and single.choices[0].finish_reason == "stop"
+    assert single.usage.completion_tokens == usage["usage"]["completion_tokens"] < 24
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,changes,param,message", [
+    ("completions", dict(n=2), "n", "n must be 1"),
+    ("completions", dict(temperature=-1), "temperature", "temperature must be a finite number >= 0"),
+    ("completions", dict(temperature="hot"), "temperature", "invalid temperature"),
+    ("completions", dict(top_p=0), "top_p", "top_p must be in (0, 1]"),
+    ("completions", dict(top_k=-2), "top_k", "top_k must be an integer >= 0"),
+    ("completions", dict(max_tokens=0), "max_tokens", "max_tokens must be a positive integer"),
+    ("completions", dict(seed=-1), "seed", "seed must be an integer"),
+    ("completions", dict(stop=[""]), "stop", "stop strings must be non-empty"),
+    ("completions", dict(stream="maybe"), "stream", "invalid stream"),
+    ("completions", dict(prompt=["one", "two"]), "prompt", "batches of prompts are not supported"),
+    ("completions", dict(prompt=[[1, 2], [3]]), "prompt", "batches of prompts are not supported"),
+    ("completions", dict(prompt=5), "prompt", "invalid prompt: expected str or list[int]"),
+    ("completions", dict(prompt=""), "prompt", "the prompt is empty"),
+    ("completions", dict(prompt=[]), "prompt", "the prompt is empty"),
+    ("completions", dict(prompt=[1, 2, 300]), None, "outside the vocabulary"),
+    ("completions", dict(prompt=[1] * 100, max_tokens=40), "max_tokens", "exceeds the context length"),
+    ("completions", dict(prompt=[1] * 100, max_tokens=40, stream=True), "max_tokens", "exceeds the context length"),
+    ("completions", dict(model=None), "model", "model is required"),
+    ("chat/completions", dict(messages=[]), "messages", "messages is empty"),
+    ("chat/completions", dict(messages=[{"role": "tool", "content": "x"}]), "messages", "got 'tool'"),
+    ("chat/completions", dict(messages=[{"role": "user"}]), "messages", "messages[0].content is missing"),
+    ("chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages",
+     "only text parts"),
+    ("chat/completions", dict(messages=None), "messages", "invalid messages"),
+    ("chat/completions", dict(max_completion_tokens=0), "max_completion_tokens", "must be a positive integer"),
+])
+def test_bad_requests_are_400_naming_the_field(served, path, changes, param, message):
+    base = dict(model=served.model, max_tokens=4, temperature=0,
+                **({"messages": CHAT} if path.startswith("chat") else {"prompt": PROMPT}))
+    body = {k: v for k, v in {**base, **changes}.items() if v is not None}
+    response = httpx.post(f"{served.base}/v1/{path}", json=body, headers=served.headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and message in error["message"], error
+    assert served.client.completions.create(model=served.model, prompt=IDS, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_malformed_bodies_are_400(served):
+    for content in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        response = httpx.post(f"{served.base}/v1/completions", content=content, headers=served.headers)
+        assert response.status_code == 400 and response.json()["error"]["message"], content
+
+
+def test_openai_client_sees_the_errors(served):
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.completions.create(model=served.model, prompt=PROMPT, n=2)
+    assert error_of(info.value)["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.chat.completions.create(model=served.model, messages=CHAT, temperature=-0.5)
+    assert error_of(info.value)["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client.completions.create(model="gpt-3.5-turbo-instruct", prompt=PROMPT)
+    assert error_of(info.value)["code"] == "model_not_found" and error_of(info.value)["param"] == "model"
+    wrong = openai.OpenAI(base_url=f"{served.base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.completions.create(model=served.model, prompt=PROMPT)
+    assert error_of(info.value)["code"] == "invalid_api_key"
+    wrong.close()
+
+
+def test_auth_covers_everything_but_health(served):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/metrics")):
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
+            response = httpx.request(method, f"{served.base}{path}", json={}, headers=headers)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{served.base}/health").status_code == 200
+    unknown = httpx.get(f"{served.base}/v2/nothing", headers=served.headers)
+    assert unknown.status_code == 404 and "Not Found" in unknown.json()["error"]["message"]
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def scrape(served) -> dict:
+    """(name, frozenset(labels)) -> value of every sample."""
+    text = httpx.get(f"{served.base}/metrics", headers=served.headers).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_scrape_parses_and_moves(served):
+    before = scrape(served)
+    got = served.client.completions.create(model=served.model, prompt=IDS, max_tokens=12, temperature=0)
+    assert wait_until(lambda: scrape(served)[("specdec_requests_total", frozenset({("finish_reason", "length")}))]
+                      == before[("specdec_requests_total", frozenset({("finish_reason", "length")}))] + 1)
+    after = scrape(served)
+
+    def moved(name, **labels):
+        key = (name, frozenset(labels.items()))
+        return after[key] - before[key]
+
+    assert moved("specdec_generated_tokens_total") == got.usage.completion_tokens == 12
+    assert moved("specdec_prompt_tokens_total") == len(IDS)
+    assert moved("specdec_rounds_total") >= 1
+    assert moved("specdec_time_to_first_token_seconds_count") == 1
+    assert moved("specdec_request_duration_seconds_count") == 1
+    assert moved("specdec_inter_token_latency_seconds_count") >= 1
+    for phase in ("draft", "verify", "coordinator", "total"):
+        assert moved("specdec_round_seconds_count", phase=phase) == moved("specdec_rounds_total")
+    proposed = after[("specdec_draft_tokens_proposed_total", frozenset())]
+    accepted = after[("specdec_draft_tokens_accepted_total", frozenset())]
+    rate = after[("specdec_acceptance_rate", frozenset())]
+    assert 0 <= accepted <= proposed and (rate == accepted / proposed if proposed else math.isnan(rate))
+    assert after[("specdec_mean_accepted_length", frozenset())] >= 1.0
+    assert after[("specdec_kv_blocks_total", frozenset())] == KV["kv_cache_blocks"]
+    assert after[("specdec_kv_blocks_used", frozenset())] == 0  # released after the request
+    assert after[("specdec_running_requests", frozenset())] == after[("specdec_queue_depth", frozenset())] == 0
+
+
+def test_round_gauges_agree_with_the_requests_own_stats(reference):
+    """Fed from RoundReports alone, the ratio gauges equal what the requests' stats say."""
+    metrics = PrometheusMetrics()
+    reference.on_round = metrics.on_round
+    try:
+        params = [SamplingParams(max_new_tokens=n, **sampling) for n, sampling in ((9, {}), (17, SAMPLED), (5, {}))]
+        outs = reference.generate([PROMPT, IDS, IDS[:2]], params)
+    finally:
+        reference.on_round = None
+    value = metrics.registry.get_sample_value
+    proposed, accepted = sum(o.stats.proposed_tokens for o in outs), sum(o.stats.accepted_tokens for o in outs)
+    assert value("specdec_generated_tokens_total") == sum(len(o.token_ids) for o in outs) == 31
+    assert (value("specdec_draft_tokens_proposed_total"), value("specdec_draft_tokens_accepted_total")) == (
+        proposed, accepted)
+    assert proposed > 0 and value("specdec_acceptance_rate") == pytest.approx(accepted / proposed)
+    passes = sum(o.stats.target_forward_passes for o in outs)
+    assert value("specdec_mean_accepted_length") == pytest.approx(31 / passes)
+    assert value("specdec_rounds_total") == max(o.stats.target_forward_passes for o in outs)  # batched together
+
+
+# --- disconnects -------------------------------------------------------------------------------
+
+
+CANCELLED = ("specdec_requests_total", frozenset({("finish_reason", "cancelled")}))
+LENGTH = ("specdec_requests_total", frozenset({("finish_reason", "length")}))
+GENERATED = ("specdec_generated_tokens_total", frozenset())
+# 100 tokens take at least 20 rounds of 0.05 s (K <= 4): a disconnect after 0.3 s comes well before the end.
+LONG, SLOW_ROUND_S = 100, 0.05
+
+
+def assert_cancelled_not_finished(served, before) -> None:
+    """The request was aborted: counted as cancelled, and it never generated all its tokens."""
+    assert wait_until(lambda: scrape(served)[CANCELLED] == before[CANCELLED] + 1)
+    after = scrape(served)
+    assert after[LENGTH] == before[LENGTH] and after[GENERATED] - before[GENERATED] < LONG
+
+
+def test_client_disconnect_mid_stream_frees_kv_blocks(served):
+    before = scrape(served)
+    slow_rounds(served.scheduler, SLOW_ROUND_S)
+    try:
+        body = dict(model=served.model, prompt=IDS, max_tokens=LONG, temperature=0, stream=True)
+        with httpx.Client(headers=served.headers) as client:
+            with client.stream("POST", f"{served.base}/v1/completions", json=body) as response:
+                first = next(response.iter_lines())
+                assert first.startswith("data: ") and kv_used(served.factory) > 0
+        assert wait_until(lambda: kv_used(served.factory) == 0)
+        assert not served.scheduler.scheduler.running and served.scheduler.num_active == 0
+    finally:
+        served.scheduler.on_round = None
+    assert_cancelled_not_finished(served, before)
+    assert served.client.completions.create(model=served.model, prompt=IDS, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_client_disconnect_while_waiting_for_a_whole_response_frees_kv_blocks(served):
+    before = scrape(served)
+    slow_rounds(served.scheduler, SLOW_ROUND_S)
+    try:
+        body = dict(model=served.model, prompt=IDS, max_tokens=LONG, temperature=0)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{served.base}/v1/completions", json=body, headers=served.headers, timeout=0.3)
+        assert wait_until(lambda: kv_used(served.factory) == 0 and not served.scheduler.scheduler.running)
+        assert served.scheduler.num_active == 0
+    finally:
+        served.scheduler.on_round = None
+    assert_cancelled_not_finished(served, before)
+
+
+# --- servers of their own ----------------------------------------------------------------------
+
+
+def test_503_until_ready(models):
+    factory = LocalSchedulerFactory(config(models))
+    gate = threading.Event()
+
+    def slow_factory():
+        gate.wait(10)
+        return factory()
+
+    with run_server_in_thread(slow_factory, factory.tokenizer, wait_ready=False) as handle:
+        base = f"http://127.0.0.1:{handle.http_port}"
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        refused = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT))
+        assert refused.status_code == 503 and "still loading" in refused.json()["error"]["message"]
+        assert httpx.get(f"{base}/v1/models").status_code == 503
+        gate.set()
+        assert wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, timeout=10)
+        ok = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT, max_tokens=2))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_503_while_draining_and_in_flight_streams_finish(models):
+    factory = LocalSchedulerFactory(config(models))
+    with run_server_in_thread(factory, factory.tokenizer) as handle:
+        base = f"http://127.0.0.1:{handle.http_port}"
+        slow_rounds(handle.server.scheduler, 0.02)
+        body = dict(model=models.target, prompt=IDS, max_tokens=30, temperature=0, stream=True)
+        with httpx.Client() as client, client.stream("POST", f"{base}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            stopper = threading.Thread(target=handle.stop, args=(10.0,))
+            stopper.start()
+            assert wait_until(lambda: handle.server.gate.draining)
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            refused = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT))
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        stopper.join(15)
+        assert not stopper.is_alive() and kv_used(factory) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{base}/health")
+
+
+def test_chat_on_a_model_without_a_chat_template(models):
+    factory = LocalSchedulerFactory(config(models, target=models.plain, draft="ngram"))
+    with run_server_in_thread(factory, factory.tokenizer) as handle:
+        assert load_tokenizer(models.plain).chat_template is None
+        response = httpx.post(f"http://127.0.0.1:{handle.http_port}/v1/chat/completions",
+                              json=dict(model=models.plain, messages=CHAT))
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        assert response.json()["error"]["message"] == "this model has no chat template; send a prompt instead"
+        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(messages=CHAT)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == "this model has no chat template; send a prompt instead"
+            assert client.generate(PROMPT, max_new_tokens=2).finish_reason == "length"
+
+
+def test_http_port_zero_turns_the_api_off(models):
+    factory = LocalSchedulerFactory(config(models, draft=None))
+    with run_server_in_thread(factory, factory.tokenizer, replace(LOOPBACK_SERVER, http_port=0)) as handle:
+        assert handle.http_port is None
+        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
+            assert client.generate(IDS, max_new_tokens=2).finish_reason == "length"
+
+
+def test_https_with_the_servers_certificate(models, tmp_path):
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    factory = LocalSchedulerFactory(config(models, draft=None))
+    tls = replace(LOOPBACK_SERVER, tls_cert=str(cert), tls_key=str(key))
+    with run_server_in_thread(factory, factory.tokenizer, tls) as handle:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(f"https://127.0.0.1:{handle.http_port}/health", verify=trusted).json() == {"status": "ok"}
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.get(f"http://127.0.0.1:{handle.http_port}/health")

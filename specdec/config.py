@@ -79,18 +79,21 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class TargetConfig(WorkerConfig):
-    model: str = setting(str(SHIPPED_TARGET), "target checkpoint directory")
+    model: str = setting(str(SHIPPED_TARGET), "target model: checkpoint directory, .gguf file or Hub id "
+                                              "(owner/name[@revision], from the local Hugging Face cache)")
 
     role = "target"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(isinstance(self.model, str) and bool(self.model), "target.model", "a checkpoint path", self.model)
+        _check(isinstance(self.model, str) and bool(self.model), "target.model",
+               "a checkpoint directory, .gguf file or Hub id", self.model)
 
 
 @dataclass(frozen=True)
 class DraftConfig(WorkerConfig):
-    model: str | None = setting(None, f"draft checkpoint directory, '{NGRAM}' (prompt lookup) or none")
+    model: str | None = setting(None, f"draft model: checkpoint directory, .gguf file or Hub id; "
+                                      f"'{NGRAM}' (prompt lookup) or none")
     max_q_entries: int = setting(256, "proposal distribution entries sent per draft token (sampled requests)")
     ngram_max: int = setting(4, "longest suffix the n-gram drafter looks up")
     ngram_min: int = setting(1, "shortest suffix the n-gram drafter looks up")
@@ -103,7 +106,7 @@ class DraftConfig(WorkerConfig):
         if isinstance(self.model, str) and self.model.lower() == "none":
             object.__setattr__(self, "model", None)
         _check(self.model is None or (isinstance(self.model, str) and bool(self.model)), "draft.model",
-               f"a checkpoint path, '{NGRAM}' or none", self.model)
+               f"a checkpoint directory, .gguf file or Hub id, '{NGRAM}' or none", self.model)
         _positive("draft.max_q_entries", self.max_q_entries)
         _positive("draft.ngram_min", self.ngram_min)
         _positive("draft.ngram_window", self.ngram_window)

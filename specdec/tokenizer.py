@@ -1,18 +1,17 @@
-"""Optional tokenizer loading: prompts may be token ids, so a checkpoint without one still runs."""
+"""Optional tokenizer loading: prompts may be token ids, so a model without a tokenizer still runs."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from specdec.model.source import resolve_model_source
 
-def load_tokenizer(path: str | Path):
-    """The Hugging Face tokenizer saved in a checkpoint directory, or None if there is none."""
-    path = Path(path)
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+def load_tokenizer(spec: str | Path):
+    """The tokenizer of the model `spec` names (checkpoint directory, .gguf file or Hub id: see
+    specdec.model.source), or None if it has none. Its `chat_template` is the model's chat
+    template (None without one), ready for `tokenizer.apply_chat_template`."""
+    return resolve_model_source(str(spec)).tokenizer()
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int]) -> list[int]:

@@ -1,12 +1,22 @@
-"""Random Llama checkpoints in Hugging Face layout, built on the fly for tests."""
+"""Random checkpoints in Hugging Face layout, of every model family the runtime supports, built on
+the fly for tests."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM
 
-# Several shapes the runtime must get exactly right. initializer_range is large so logits are
+# family -> (transformers config class, model class)
+FAMILY_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+# Several Llama shapes the runtime must get exactly right. initializer_range is large so logits are
 # peaked: greedy comparisons then do not hinge on float rounding between near-equal logits.
 CONFIGS: dict[str, dict] = {
     "gqa_untied": dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -20,20 +30,51 @@ CONFIGS: dict[str, dict] = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
 }
 
+# The other families, each with what sets it apart (family= picks the transformers classes).
+FAMILY_CONFIGS: dict[str, dict] = {
+    # q/k/v biases (set to non-zero values by build_checkpoint: transformers starts them at zero).
+    "qwen2_untied": dict(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         rope_theta=1000000.0),
+    "qwen2_tied": dict(family="qwen2", vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True),
+    # Per-head q/k RMSNorm, head_dim 32 != hidden 64 / 4 heads, tied embeddings.
+    "qwen3_tied": dict(family="qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    # Qwen3 with attention_bias: q/k/v and o_proj biases too.
+    "qwen3_bias": dict(family="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=24, tie_word_embeddings=False,
+                       attention_bias=True),
+    # No sliding window (transformers' default would slide over 4096 of 131072 positions).
+    "mistral": dict(family="mistral", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None),
+}
 
-def build_checkpoint(path: Path, seed: int = 0, max_position_embeddings: int = 256, eos_token_id=None,
-                     initializer_range: float = 0.2, **overrides) -> Path:
+
+def hf_config(family: str = "llama", max_position_embeddings: int = 256, eos_token_id=None,
+              initializer_range: float = 0.2, **overrides):
+    config_class, _ = FAMILY_CLASSES[family]
+    return config_class(max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+                        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, **overrides)
+
+
+def build_checkpoint(path: Path, seed: int = 0, family: str = "llama", **settings) -> Path:
+    """A random checkpoint of `family`; every bias gets random non-zero values, so a runtime that
+    dropped one would disagree."""
     torch.manual_seed(seed)
-    config = LlamaConfig(max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
-                         bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, **overrides)
-    model = LlamaForCausalLM(config).eval()
+    _, model_class = FAMILY_CLASSES[family]
+    model = model_class(hf_config(family, **settings)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return path
 
 
 def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     """A draft that agrees with the target often but not always (exercises both paths)."""
-    model = LlamaForCausalLM.from_pretrained(src).eval()
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -43,7 +84,7 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -1,11 +1,11 @@
 """Greedy speculative output == the target's own greedy output (Hugging Face generate), token for
-token, for every drafter, on several model shapes, with K fixed or chosen per round (the adaptive
-policy, or K jumping between 0 and its cap)."""
+token, for every drafter, on several model shapes and every model family, with K fixed or chosen
+per round (the adaptive policy, or K jumping between 0 and its cap)."""
 import pytest
 
 from specdec import LocalEngine, SamplingParams
 
-from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy, use_policy
+from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint, hf_greedy, perturbed_copy, use_policy
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150], list(range(40, 72))]
 NEW_TOKENS = 24
@@ -60,3 +60,39 @@ def test_one_at_a_time_equals_batched(gqa_target_dir):
     batched = [o.token_ids for o in engine.generate(PROMPTS, params)]
     alone = [engine.generate([p], params)[0].token_ids for p in PROMPTS]
     assert batched == alone
+
+
+@pytest.fixture(scope="module")
+def family_references(family_dir):
+    return [hf_greedy(family_dir, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def family_drafts(family_dir, tmp_path_factory):
+    return {"ngram": "ngram",
+            # The same family, close to the target: a mix of accepts and rejections.
+            "perturbed": str(perturbed_copy(family_dir, tmp_path_factory.mktemp("family-perturbed"), noise=0.3))}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "perturbed"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_every_family_greedy_matches_target(family_dir, family_references, family_drafts, drafter, k):
+    """K fixed at its cap (adaptive=False, so K is really used) for Mistral, Qwen2 and Qwen3."""
+    engine = LocalEngine(str(family_dir), draft=family_drafts[drafter], num_speculative_tokens=k, kv_block_size=8,
+                         adaptive=False)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == family_references
+    assert sum(o.stats.proposed_tokens for o in outputs) > 0
+    if drafter == "perturbed":
+        assert 0 < sum(o.stats.accepted_tokens for o in outputs) < sum(o.stats.proposed_tokens for o in outputs)
+    engine.target_worker.cache.check_accounting()
+
+
+def test_draft_of_another_family(tmp_path_factory):
+    """A Qwen3 target drafted by a Llama model of the same vocabulary: only vocabularies must match."""
+    target = build_checkpoint(tmp_path_factory.mktemp("qwen3-target"), seed=0, **FAMILY_CONFIGS["qwen3_tied"])
+    draft = build_checkpoint(tmp_path_factory.mktemp("llama-draft"), seed=5, **CONFIGS["gqa_untied"])
+    engine = LocalEngine(str(target), draft=str(draft), num_speculative_tokens=3, kv_block_size=8, adaptive=False)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
+    assert sum(o.stats.proposed_tokens for o in outputs) > 0

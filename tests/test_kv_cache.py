@@ -16,7 +16,7 @@ from coordinator.request import Request
 from specdec import LocalEngine, SamplingParams
 from specdec.config import TargetConfig, WorkerConfig
 from specdec.kv_cache import BlockAllocator, KVCacheFull, PagedKVCache
-from specdec.model.llama import LlamaModel
+from specdec.model.decoder import load_model
 from specdec.model.runner import ModelRunner
 from specdec.round_types import SparseDist, VerifyTask
 from target_worker.worker import TargetWorker
@@ -287,7 +287,7 @@ def _snapshot(cache: PagedKVCache):
 
 def test_failed_pass_leaves_cache_unchanged(checkpoints):
     target_dir, _ = checkpoints
-    model = LlamaModel.load(target_dir)
+    model = load_model(target_dir)
     runner = ModelRunner(model, WorkerConfig(kv_cache_blocks=3, kv_block_size=4))
     cache = runner.cache
     prompt = [5, 17, 42, 8, 3, 77, 21, 60]

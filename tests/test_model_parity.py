@@ -1,24 +1,29 @@
-"""The runtime's logits equal Hugging Face's, for ragged batches over a paged cache."""
+"""The runtime's logits equal Hugging Face's, for ragged batches over a paged cache, for every
+supported model family; unsupported models fail with errors that say why."""
+import json
+
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from specdec.model import LlamaModel
+from specdec.model import ModelConfig, ModelSourceError, load_model
 from specdec.model.batch import prepare_forward
+
+from checkpoints import build_checkpoint
 
 
 def hf_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
-    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         return model(ids).logits
 
 
-def test_ragged_prefill_decode_and_rollback(target_dir):
-    ours = LlamaModel.load(target_dir)
+def check_ragged_prefill_decode_and_rollback(model_dir):
+    ours = load_model(model_dir)
     vocab = ours.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (3, 60), generator=gen)
-    ref = hf_logits(target_dir, ids)
+    ref = hf_logits(model_dir, ids)
     cache = ours.new_kv_cache(num_blocks=40, block_size=8)
     seqs = ["a", "b", "c"]
     for s in seqs:
@@ -44,8 +49,31 @@ def test_ragged_prefill_decode_and_rollback(target_dir):
     cache.check_accounting()
 
 
+def test_ragged_prefill_decode_and_rollback(target_dir):
+    check_ragged_prefill_decode_and_rollback(target_dir)
+
+
+def test_ragged_parity_of_every_family(family_dir):
+    check_ragged_prefill_decode_and_rollback(family_dir)
+
+
+def test_family_switches_follow_the_checkpoint(family_dir):
+    """What sets the families apart is read from config.json, and the parameter count is the
+    checkpoint's (the stacked per-head q/k norm weights count once)."""
+    raw = json.loads((family_dir / "config.json").read_text())
+    model = load_model(family_dir)
+    c = model.config
+    assert c.family == raw["model_type"]
+    assert c.qkv_bias == (raw["model_type"] == "qwen2" or raw.get("attention_bias", False))
+    assert c.o_bias == (raw["model_type"] == "qwen3" and raw.get("attention_bias", False))
+    assert c.qk_norm == (raw["model_type"] == "qwen3")
+    assert c.head_dim == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    hf = AutoModelForCausalLM.from_pretrained(family_dir)
+    assert model.num_parameters == hf.num_parameters()
+
+
 def test_only_requested_logits_are_computed(gqa_target_dir):
-    ours = LlamaModel.load(gqa_target_dir)
+    ours = load_model(gqa_target_dir)
     cache = ours.new_kv_cache(num_blocks=8, block_size=16)
     cache.add_sequence("s")
     out = ours.forward(prepare_forward(cache, ["s"], [[1, 2, 3, 4, 5]], [2]), cache)
@@ -55,9 +83,49 @@ def test_only_requested_logits_are_computed(gqa_target_dir):
 
 def test_cpu_rejects_half_precision(gqa_target_dir):
     with pytest.raises(ValueError, match="float32"):
-        LlamaModel.load(gqa_target_dir, dtype="bfloat16")
+        load_model(gqa_target_dir, dtype="bfloat16")
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        LlamaModel.load(tmp_path)
+    with pytest.raises(ModelSourceError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_unsupported_family_is_named_with_the_supported_ones(gqa_target_dir, tmp_path):
+    raw = json.loads((gqa_target_dir / "config.json").read_text())
+    for model_type, arch in (("gpt2", "GPT2LMHeadModel"), ("qwen2_moe", "Qwen2MoeForCausalLM")):
+        with pytest.raises(ValueError, match=rf"unsupported model family '{model_type}': specdec runs "
+                                             r"llama, mistral, qwen2, qwen3"):
+            ModelConfig.from_dict({**raw, "model_type": model_type, "architectures": [arch]})
+    # Without a model_type the architectures decide.
+    assert ModelConfig.from_dict({**{k: v for k, v in raw.items() if k != "model_type"},
+                                  "architectures": ["Qwen2ForCausalLM"]}).family == "qwen2"
+    # Through the loader, from a checkpoint on disk.
+    phi3 = {**raw, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(phi3))
+    (tmp_path / "model.safetensors").write_bytes((gqa_target_dir / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="unsupported model family 'phi3'"):
+        load_model(tmp_path)
+
+
+def test_sliding_window_smaller_than_the_context_is_refused(tmp_path):
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    small = build_checkpoint(tmp_path / "small", family="mistral", sliding_window=100, max_position_embeddings=256,
+                             **shape)
+    refused = r"^sliding-window attention \(window 100 < context 256\) is not supported yet$"
+    with pytest.raises(ValueError, match=refused):
+        load_model(small)
+    # A window covering the whole context changes nothing: it loads.
+    wide = build_checkpoint(tmp_path / "wide", family="mistral", sliding_window=256, max_position_embeddings=256,
+                            **shape)
+    assert load_model(wide).config.family == "mistral"
+    # Qwen2 slides only when use_sliding_window says so.
+    qwen = build_checkpoint(tmp_path / "qwen", family="qwen2", max_position_embeddings=256, **shape)
+    raw = json.loads((qwen / "config.json").read_text())
+    # As Qwen2.5's own config.json has it: a window, switched off.
+    assert ModelConfig.from_dict({**raw, "sliding_window": 100, "use_sliding_window": False}).family == "qwen2"
+    sliding = build_checkpoint(tmp_path / "qwen-sliding", family="qwen2", sliding_window=100, use_sliding_window=True,
+                               max_window_layers=0, max_position_embeddings=256, **shape)
+    with pytest.raises(ValueError, match=r"window 100 < context 256"):
+        load_model(sliding)

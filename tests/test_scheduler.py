@@ -16,7 +16,7 @@ from draft_worker.ngram_drafter import NgramDrafter
 from draft_worker.worker import DraftWorker
 from specdec import LocalEngine, SamplingParams
 from specdec.config import NGRAM, DraftConfig, SchedulerConfig, WorkerConfig
-from specdec.model.llama import LlamaModel
+from specdec.model.decoder import load_model
 from specdec.model.runner import ModelRunner
 from specdec.round_types import DraftTask
 from target_worker.worker import TargetWorker
@@ -528,7 +528,7 @@ class FlakyTarget:
 
 
 def test_worker_failure_ends_the_round_and_frees_everything(target_dir, reference):
-    model = LlamaModel.load(str(target_dir))
+    model = load_model(str(target_dir))
     target = TargetWorker(ModelRunner(model, WorkerConfig(kv_cache_blocks=64, kv_block_size=4)))
     draft = DraftWorker.from_config(DraftConfig(model=NGRAM))
     flaky = FlakyTarget(target, fail_on_call=3)

@@ -2,7 +2,8 @@
 
 The adaptive policy needs what rounds cost on this machine (coordinator.round_costs); measuring
 takes a few seconds, so the result is stored under $SPECDEC_CACHE_DIR (default ~/.cache/specdec)
-keyed by everything that changes it: both checkpoints (path, size and time of every weight file),
+keyed by everything that changes it: both models (resolved path, and the size and time of every file
+they are read from: a checkpoint directory's, a .gguf file, a Hub snapshot's),
 device, dtype, threads, the batch and K limits, in process or over gRPC, torch and the CPU. The
 scheduler keeps correcting the figures from every round it runs, so a stale entry only starts
 the policy off a little wrong.
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 
 from coordinator.round_costs import RoundCosts
-from specdec.config import ServiceConfig
+from specdec.config import NGRAM, ServiceConfig
+from specdec.model.source import resolve_model_source
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +30,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
 
 
-def _checkpoint_fingerprint(path: str | None) -> list:
-    if path is None or not Path(path).exists():
-        return [path]
-    files = sorted(p for p in Path(path).iterdir() if p.suffix in (".safetensors", ".json", ".gguf"))
-    return [str(Path(path).resolve())] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+def _checkpoint_fingerprint(spec: str | None) -> list:
+    """What identifies a model spec's weights here; the spec alone for "ngram", none, or a spec
+    that names no model (loading it fails on its own, with the resolver's message)."""
+    if spec is None or spec == NGRAM:
+        return [spec]
+    try:
+        return resolve_model_source(spec).fingerprint()
+    except (ValueError, OSError):
+        return [spec]
 
 
 def cost_cache_path(config: ServiceConfig, transport: str) -> Path:

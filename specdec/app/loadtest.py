@@ -42,7 +42,6 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from specdec.app.flags import add_settings, given_settings
 from specdec.config import ConfigError, ServiceConfig
@@ -495,7 +494,9 @@ def run_embedded(config: ServiceConfig, load: LoadConfig, grpc_workers: bool = F
     else:
         factory = LocalSchedulerFactory(config)
     if factory.tokenizer is None and not load.vocab_size:
-        load.vocab_size = int(json.loads((Path(config.target.model) / "config.json").read_text())["vocab_size"])
+        from specdec.model.source import resolve_model_source
+
+        load.vocab_size = int(resolve_model_source(config.target.model).config["vocab_size"])
     try:
         with run_server_in_thread(factory, factory.tokenizer, config.server, on_round=recorder) as handle:
             if not grpc_workers:

@@ -7,6 +7,8 @@ listen on 127.0.0.1 only; only the coordinator's public ports are open.
 
   specdec serve                                   # shipped pair, local Ray, port 50051
   specdec serve --target DIR --draft ngram        # n-gram (prompt lookup) drafting
+  specdec serve --target model.gguf               # a GGUF file (quantized weights are dequantized)
+  specdec serve --target Qwen/Qwen2.5-0.5B-Instruct --draft ngram   # from the local Hub cache
   specdec serve --ray-address auto --worker-host node-ip   # join a running cluster
   specdec serve --no-ray                          # one process, no Ray (development, tests)
   specdec serve --no-ray --http-port 8000 --api-key s3cret   # OpenAI clients: base_url http://host:8000/v1
@@ -55,19 +57,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --- argument checks --------------------------------------------------------------------------
 
 
-def _check_model_dir(path: str, what: str) -> str:
-    p = Path(path).expanduser()
-    if not p.is_dir():
+def _check_model(spec: str, what: str) -> str:
+    """Resolve a model spec (directory, .gguf file or Hub id) and read its config, so that a bad
+    spec or an unsupported model fails here, before Ray starts. Returns the spec to pass on: a
+    path made absolute, a Hub id as given (each worker resolves it from its own cache)."""
+    from specdec.model.config import ModelConfig
+    from specdec.model.source import ModelSourceError, resolve_model_source
+
+    try:
+        source = resolve_model_source(spec)
+        ModelConfig.from_dict(source.config)
+    except ModelSourceError as e:
         hint = ""
-        if p.resolve() in (SHIPPED_TARGET.resolve(), SHIPPED_DRAFT.resolve()):
+        if Path(spec).expanduser().resolve() in (SHIPPED_TARGET.resolve(), SHIPPED_DRAFT.resolve()):
             hint = " (the shipped models are built by scripts/ in this repository; or pass --target/--draft)"
-        raise ServeError(f"{what} model directory {p} does not exist{hint}")
-    if not (p / "config.json").is_file():
-        raise ServeError(f"{what} model directory {p} has no config.json (expected a Hugging Face "
-                         "Llama checkpoint: config.json + *.safetensors)")
-    if not any(p.glob("*.safetensors")):
-        raise ServeError(f"{what} model directory {p} has no *.safetensors weights")
-    return str(p.resolve())
+        raise ServeError(f"{what} model: {e}{hint}") from None
+    except (ValueError, OSError, KeyError) as e:
+        raise ServeError(f"{what} model {spec}: {e}") from None
+    return spec if source.hub_id else str(source.path.resolve())
 
 
 def build_config(args) -> ServiceConfig:
@@ -80,10 +87,10 @@ def build_config(args) -> ServiceConfig:
         config = ServiceConfig.from_settings(**given)
     except ConfigError as e:
         raise ServeError(str(e)) from None
-    target = _check_model_dir(config.target.model, "target")
+    target = _check_model(config.target.model, "target")
     draft = config.draft.model
     if config.draft.kind == "model":
-        draft = _check_model_dir(draft, "draft")
+        draft = _check_model(draft, "draft")
     if config.server.tls_cert:
         for path in (config.server.tls_cert, config.server.tls_key):
             if not Path(path).is_file():

@@ -1,4 +1,6 @@
-from specdec.model.config import LlamaConfig
-from specdec.model.llama import LlamaModel, resolve_dtype
+from specdec.model.config import ModelConfig
+from specdec.model.decoder import Model, load_model, resolve_dtype
+from specdec.model.source import ModelSource, ModelSourceError, resolve_model_source
 
-__all__ = ["LlamaConfig", "LlamaModel", "resolve_dtype"]
+__all__ = ["Model", "ModelConfig", "ModelSource", "ModelSourceError", "load_model", "resolve_dtype",
+           "resolve_model_source"]

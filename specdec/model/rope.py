@@ -1,4 +1,10 @@
-"""Rotary position embeddings, including Llama 3's frequency-dependent `rope_scaling`."""
+"""Rotary position embeddings, including Llama 3's frequency-dependent `rope_scaling`.
+
+`rope_scaling` is Hugging Face's dict (`rope_type` default, linear or llama3), or
+{"rope_type": "frequency_factors", "factors": [...]}: one divisor per inverse frequency, which is how
+a GGUF file carries Llama 3 scaling (llama.cpp's converter writes the factors as a `rope_freqs`
+tensor instead of the settings they come from).
+"""
 from __future__ import annotations
 
 import math
@@ -15,6 +21,11 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "frequency_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.numel()} rope frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if kind != "llama3":
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between

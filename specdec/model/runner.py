@@ -6,13 +6,13 @@ import torch
 from specdec.config import WorkerConfig
 from specdec.kv_cache import PagedKVCache, blocks_for_tokens
 from specdec.model.batch import prepare_forward
-from specdec.model.llama import LlamaModel
+from specdec.model.decoder import Model, load_model
 
 # Without an explicit size the cache holds this many sequences of the model's full context.
 DEFAULT_FULL_SEQUENCES = 32
 
 
-def default_num_blocks(model: LlamaModel, block_size: int, max_cache_bytes: int) -> int:
+def default_num_blocks(model: Model, block_size: int, max_cache_bytes: int) -> int:
     """Room for DEFAULT_FULL_SEQUENCES sequences of the full context, capped by a memory budget
     (the cache is allocated up front, so an oversized default costs real memory)."""
     c = model.config
@@ -23,7 +23,7 @@ def default_num_blocks(model: LlamaModel, block_size: int, max_cache_bytes: int)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: WorkerConfig):
+    def __init__(self, model: Model, config: WorkerConfig):
         self.model = model
         num_blocks = config.kv_cache_blocks
         if num_blocks is None:
@@ -32,11 +32,12 @@ class ModelRunner:
         self.forward_passes = 0
 
     @staticmethod
-    def load(config: WorkerConfig, path: str) -> ModelRunner:
-        """Load the checkpoint at `path` as `config` says (device, dtype, threads) with its cache."""
+    def load(config: WorkerConfig, spec: str) -> ModelRunner:
+        """Load the model `spec` names (specdec.model.source) as `config` says (device, dtype,
+        threads) with its cache."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        return ModelRunner(LlamaModel.load(path, config.device, config.resolved_dtype), config)
+        return ModelRunner(load_model(spec, config.device, config.resolved_dtype), config)
 
     @property
     def vocab_size(self) -> int:

@@ -1,4 +1,5 @@
-"""Load Hugging Face Llama safetensors into fused, inference-ready tensors.
+"""Turn a checkpoint's tensors (Hugging Face names, whatever the source) into fused, inference-ready
+tensors.
 
 Projection matrices are stored [in, out] (`x @ w`): on CPU a skinny product (one to a few dozen
 rows, as in decoding and verifying) runs about a third faster against a contiguous [in, out]
@@ -9,12 +10,10 @@ contiguous copy, since the one-row product against the view runs up to twice as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from specdec.model.config import LlamaConfig
+from specdec.model.config import ModelConfig
 
 
 @dataclass
@@ -22,6 +21,7 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [hidden, (H + 2 Hkv) * D]: one product instead of three
     qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [H + Hkv, D]: q_norm's weight on each q head, then k_norm's (Qwen3)
     o_proj: torch.Tensor  # [H * D, hidden]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -37,58 +37,52 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: torch.Tensor  # [hidden, vocab]; tied on GPU: a view of embed
-    tied: bool  # the LM head is the embedding (so counted once)
+    tied: bool  # the LM head is the embedding
+    num_parameters: int  # of the checkpoint (a tied head and the stacked q/k norms counted once)
 
 
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
-
-
-def build_weights(config: LlamaConfig, raw: dict[str, torch.Tensor], device: torch.device | str,
+def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: torch.device | str,
                   dtype: torch.dtype) -> ModelWeights:
+    """raw: tensors by Hugging Face name (with or without the `model.` prefix), [out, in] matrices."""
+    counted = 0
+
     def take(name: str) -> torch.Tensor:
+        nonlocal counted
         for key in (name, f"model.{name}"):
             if key in raw:
+                counted += raw[key].numel()
                 return raw[key].to(device=device, dtype=dtype)
         raise KeyError(f"checkpoint is missing tensor {name!r}")
-
-    def maybe(name: str) -> torch.Tensor | None:
-        try:
-            return take(name)
-        except KeyError:
-            return None
-
-    def cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
 
     def in_out(*names: str) -> torch.Tensor:
         """The checkpoint's [out, in] matrices, stacked on out and stored [in, out]."""
         return torch.cat([take(n) for n in names]).t().contiguous()
 
+    def biases(*names: str) -> torch.Tensor:
+        return torch.cat([take(n) for n in names])
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"layers.{i}"
         attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+        qk_norm = None
+        if config.qk_norm:
+            # One multiply after one weightless RMSNorm over all heads needs the weight per head.
+            q_norm, k_norm = take(f"{attn}.q_norm.weight"), take(f"{attn}.k_norm.weight")
+            qk_norm = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)]).contiguous()
         layers.append(LayerWeights(
             input_norm=take(f"{p}.input_layernorm.weight"),
-            qkv=in_out(f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
-            qkv_bias=cat_optional([maybe(f"{attn}.{n}_proj.bias") for n in "qkv"]) if config.attention_bias else None,
+            qkv=in_out(*(f"{attn}.{n}_proj.weight" for n in "qkv")),
+            qkv_bias=biases(*(f"{attn}.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
+            qk_norm=qk_norm,
             o_proj=in_out(f"{attn}.o_proj.weight"),
-            o_bias=maybe(f"{attn}.o_proj.bias") if config.attention_bias else None,
+            o_bias=take(f"{attn}.o_proj.bias") if config.o_bias else None,
             post_norm=take(f"{p}.post_attention_layernorm.weight"),
             gate_up=in_out(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
-            gate_up_bias=(cat_optional([maybe(f"{mlp}.gate_proj.bias"), maybe(f"{mlp}.up_proj.bias")])
-                          if config.mlp_bias else None),
+            gate_up_bias=biases(f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias") if config.mlp_bias else None,
             down=in_out(f"{mlp}.down_proj.weight"),
-            down_bias=maybe(f"{mlp}.down_proj.bias") if config.mlp_bias else None,
+            down_bias=take(f"{mlp}.down_proj.bias") if config.mlp_bias else None,
         ))
     embed = take("embed_tokens.weight")
     tied = config.tie_word_embeddings or not any(k in raw for k in ("lm_head.weight", "model.lm_head.weight"))
@@ -96,4 +90,6 @@ def build_weights(config: LlamaConfig, raw: dict[str, torch.Tensor], device: tor
         lm_head = embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t()
     else:
         lm_head = in_out("lm_head.weight")
-    return ModelWeights(embed=embed, layers=layers, final_norm=take("norm.weight"), lm_head=lm_head, tied=tied)
+    final_norm = take("norm.weight")
+    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, tied=tied,
+                        num_parameters=counted)

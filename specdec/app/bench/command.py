@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 
 from specdec.app.flags import add_settings, format_default, given_settings
-from specdec.config import NGRAM, REPO_ROOT, SHIPPED_DRAFT, ConfigError, ServiceConfig, WorkerConfig
+from specdec.config import NGRAM, REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET, ConfigError, ServiceConfig, WorkerConfig
 from specdec.kv_cache import blocks_for_tokens
 
 ALL_SYSTEMS = ["engine", "spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed", "hf", "hf-assisted"]
 DEFAULT_SWEEP = "1,2,3,4,6,8"
 # The shipped prompt sets (JSONL, {"prompt": text, "source": ...} per line), by the name --prompt-sets uses.
 PROMPT_SETS = {"code": "models/heldout_prompts.jsonl", "prose": "models/prose_prompts.jsonl"}
+SHIPPED_PAIR = (str(SHIPPED_TARGET), str(SHIPPED_DRAFT))
 
 
 def _int_list(text: str) -> list[int]:
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
     add_settings(parser, ["target"])
     parser.add_argument("--draft", default=str(SHIPPED_DRAFT),
-                        help="draft checkpoint dir of the spec-draft system "
+                        help="draft model of the spec-draft system: checkpoint directory, .gguf file or Hub id "
                              f"(default: {format_default(str(SHIPPED_DRAFT))})")
     parser.add_argument("--prompt-sets", type=_prompt_sets, default=list(PROMPT_SETS),
                         help="comma-separated shipped prompt sets: "
@@ -103,12 +104,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(path: str) -> str:
-    """Relative paths are tried from the working directory, then from the repository."""
+    """Relative paths are tried from the working directory, then from the repository (anything
+    else, a Hub id included, is left as it is)."""
     p = Path(path)
     if p.is_absolute() or p.exists() or path == NGRAM:
         return str(p)
     alt = REPO_ROOT / p
     return str(alt) if alt.exists() else str(p)
+
+
+def _model_problem(spec: str) -> str | None:
+    """Why a model spec (checkpoint directory, .gguf file or Hub id) cannot be loaded, or None."""
+    from specdec.model.source import resolve_model_source
+
+    try:
+        resolve_model_source(spec)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _prompt_set_name(path: str) -> str:
@@ -208,12 +221,15 @@ def run(args) -> int:
     else:
         set_files = {name: _resolve(PROMPT_SETS[name]) for name in args.prompt_sets}
     needs_draft = any(SYSTEMS[s].needs_draft for s in systems)
-    checks = [("target", target)] + [(f"prompts ({name})", path) for name, path in set_files.items()]
-    for what, path in checks + ([("draft", draft)] if needs_draft else []):
+    for what, spec in [("target", target)] + ([("draft", draft)] if needs_draft else []):
+        problem = _model_problem(spec)
+        if problem:
+            print(f"specdec bench: {what}: {problem}"
+                  + (" (train the pair with scripts/train_pair.py)" if spec in SHIPPED_PAIR else ""), file=sys.stderr)
+            return 2
+    for name, path in set_files.items():
         if not Path(path).exists():
-            print(f"specdec bench: {what} {path!r} does not exist"
-                  + (" (train the pair with scripts/train_pair.py)" if what in ("target", "draft") else ""),
-                  file=sys.stderr)
+            print(f"specdec bench: prompts ({name}) {path!r} does not exist", file=sys.stderr)
             return 2
     out_dir = Path(args.out)
     show = not args.no_progress
@@ -256,18 +272,18 @@ def run(args) -> int:
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)
     log(f"loaded {len(built)} systems in {time.perf_counter() - t0:.1f}s")
 
-    from specdec.model.llama import LlamaModel
+    from specdec.model.decoder import load_model
 
-    params = {"target": LlamaModel.load(target).num_parameters}
+    params = {"target": load_model(target).num_parameters}
     if needs_draft:
-        params["draft"] = LlamaModel.load(draft).num_parameters
+        params["draft"] = load_model(draft).num_parameters
     env = _environment(args, params, load_at_start)
 
     # -- cost ratio c, per prompt set (context lengths differ) ---------------------------------
     costs_by_set = None
     if any(s in systems for s in SPECULATIVE_SYSTEMS):
         log("measuring draft/target step costs ...")
-        has_draft = Path(draft).exists() and draft != NGRAM
+        has_draft = draft != NGRAM and _model_problem(draft) is None
         costs_by_set = measure_step_costs(target, draft if has_draft else None,
                                           {name: ids for name, (ids, _) in prompt_sets.items()}, batch_sizes, k,
                                           cost_steps, kv_cache_blocks=kv_blocks)

@@ -251,14 +251,31 @@ class _CallCounter:
         self.calls += 1
 
 
-def load_hf(path: str):
+def load_hf(spec: str):
+    """Hugging Face's model for a model spec: a checkpoint directory or Hub snapshot as it is; a
+    .gguf file as a model built from its config with the weights specdec's loader dequantized
+    (transformers' own GGUF loading needs accelerate, and this compares the same weights)."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.model.source import resolve_model_source
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    source = resolve_model_source(spec)
+    if source.kind != "gguf":
+        return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32,
+                                                    local_files_only=True).eval()
+    config = dict(source.config)
+    if (config.get("rope_scaling") or {}).get("rope_type") == "frequency_factors":
+        raise ValueError(f"{spec}: its rope_freqs (Llama 3 scaling) have no Hugging Face config to load them into")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config),
+                                             dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(source.tensors(torch.float32), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if config["tie_word_embeddings"] else set()):
+        raise ValueError(f"{spec}: weights do not fit the Hugging Face model (missing {missing}, "
+                         f"unexpected {unexpected})")
+    return model.eval()
 
 
 def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

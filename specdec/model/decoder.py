@@ -1,4 +1,5 @@
-"""A lean Llama-family forward pass over a paged KV cache.
+"""A lean forward pass over a paged KV cache for the Llama family of architectures (Llama, Mistral,
+Qwen2, Qwen3: see specdec.model.config for what sets them apart).
 
 Hugging Face's modules are built for training and generality; per decode step they cost several
 milliseconds of Python on a CPU. This runtime keeps only what inference needs: fused QKV and
@@ -9,17 +10,16 @@ so op count matters as much as FLOPs for the draft model.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
 from specdec.kv_cache import PagedKVCache
 from specdec.model.attention import attention_mask, paged_attention, write_kv
 from specdec.model.batch import ForwardBatch
-from specdec.model.config import LlamaConfig
+from specdec.model.config import ModelConfig
 from specdec.model.rope import RotaryTable
-from specdec.model.weights import ModelWeights, build_weights, read_safetensors
+from specdec.model.source import resolve_model_source
+from specdec.model.weights import ModelWeights, build_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,13 +40,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def head_norm(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's q_norm and k_norm at once: qk [T, H + Hkv, D], weight [H + Hkv, D] (each head's
+    norm weight); normalised over D in float32 like the reference, then scaled (two ops for all
+    heads instead of two norms)."""
+    if qk.dtype == torch.float32:
+        return F.rms_norm(qk, weight.shape[-1:], None, eps) * weight
+    return weight * F.rms_norm(qk.float(), weight.shape[-1:], None, eps).to(qk.dtype)
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight (+ bias), weight stored [in, out] (see specdec.model.weights)."""
     return x @ weight if bias is None else torch.addmm(bias, x, weight)
 
 
-class LlamaModel:
-    def __init__(self, config: LlamaConfig, weights: ModelWeights, device: torch.device | str = "cpu",
+class Model:
+    """A loaded checkpoint: its config, its fused weights and the rotary table, on one device."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
         self.config = config
         self.weights = weights
@@ -58,24 +69,9 @@ class LlamaModel:
         self._q_size = config.num_attention_heads * config.head_dim
         self._kv_size = config.num_key_value_heads * config.head_dim
 
-    @staticmethod
-    def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> LlamaModel:
-        torch_dtype = resolve_dtype(dtype)
-        if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
-            raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
-        config = LlamaConfig.from_dir(path)
-        weights = build_weights(config, read_safetensors(path), device, torch_dtype)
-        return LlamaModel(config, weights, device, torch_dtype)
-
     @property
     def num_parameters(self) -> int:
-        w = self.weights
-        total = w.embed.numel() + w.final_norm.numel()
-        if not w.tied:  # a matrix of its own (a tied head's copy holds no new parameters)
-            total += w.lm_head.numel()
-        for layer in w.layers:
-            total += sum(t.numel() for t in vars(layer).values() if t is not None)
-        return total
+        return self.weights.num_parameters
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -94,10 +90,12 @@ class LlamaModel:
         mask = attention_mask(batch)  # the same for every layer
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = project(h, layer.qkv, layer.qkv_bias)
-            # q and k sit side by side in qkv: one rotation serves both.
-            qk = self.rotary.apply(qkv[:, :self._q_size + self._kv_size].view(num_tokens, heads + kv_heads,
-                                                                                c.head_dim), cos, sin)
+            qkv = project(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
+            # q and k sit side by side in qkv: one norm (Qwen3) and one rotation serve both.
+            qk = qkv[:, :self._q_size + self._kv_size].view(num_tokens, heads + kv_heads, c.head_dim)  # [T, H+Hkv, D]
+            if layer.qk_norm is not None:
+                qk = head_norm(qk, layer.qk_norm, c.rms_norm_eps)
+            qk = self.rotary.apply(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self._q_size + self._kv_size:].view(num_tokens, kv_heads, c.head_dim)
             write_kv(cache.k[index], cache.v[index], k, v, batch.slots)
@@ -108,3 +106,15 @@ class LlamaModel:
             x = x + project(F.silu(gate) * up, layer.down, layer.down_bias)
         x = rms_norm(x[batch.logits_indices], self.weights.final_norm, c.rms_norm_eps)
         return (x @ self.weights.lm_head).float()
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32") -> Model:
+    """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
+    `device` in `dtype`; a GGUF's quantized weights are dequantized to `dtype` as they load."""
+    torch_dtype = resolve_dtype(dtype)
+    if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
+        raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
+    source = resolve_model_source(str(spec))
+    config = ModelConfig.from_dict(source.config)
+    weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype)
+    return Model(config, weights, device, torch_dtype)

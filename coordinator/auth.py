@@ -1,6 +1,8 @@
 """Bearer-token authentication for the public gRPC server."""
 from __future__ import annotations
 
+import hmac
+
 import grpc
 from grpc_health.v1 import health_pb2
 
@@ -11,14 +13,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Requires `authorization: Bearer <token>` on every call except health checks."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(f"/{HEALTH_SERVICE_NAME}/"):
             return handler
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
+        given = metadata.get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
             return handler
         message = "missing or wrong bearer token (send 'authorization: Bearer <token>' metadata)"
 

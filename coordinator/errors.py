@@ -36,3 +36,8 @@ class WorkerUnavailable(WorkerError):
     """The worker cannot be reached or its stream broke; in-flight requests end with UNAVAILABLE."""
 
     code = "UNAVAILABLE"
+
+
+class WorkerGone(WorkerUnavailable):
+    """The worker will not come back by itself (e.g. Ray has no restarts left for its actor):
+    its requests fail now instead of waiting out the recovery timeout."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.errors import WorkerError, WorkerInternalError, WorkerInvalidArgument, WorkerUnavailable
+from coordinator.errors import WorkerError, WorkerGone, WorkerInternalError, WorkerInvalidArgument, WorkerUnavailable
 from specdec import wire
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, TargetInfo, VerifyResult, VerifyTask
 from specdec.v1 import worker_pb2, worker_pb2_grpc
@@ -115,12 +115,15 @@ class _WorkerClient:
         raise NotImplementedError
 
     def _maybe_move(self) -> None:
-        """After a failure: if the worker now lives elsewhere (restarted on another node), redial."""
+        """After a failure: if the worker now lives elsewhere (restarted on another node), redial.
+        Raises WorkerGone when `resolve_address` says it will not come back."""
         if self.resolve_address is None:
             return
         try:
             address = self.resolve_address()
-        except Exception:  # noqa: BLE001 - still restarting, or gone: keep the old address
+        except WorkerGone:
+            raise  # nothing left to wait for (the next round asks again: it may be redeployed)
+        except Exception:  # noqa: BLE001 - still restarting: keep the old address
             return
         if address and address != self.address:
             old = self._channel

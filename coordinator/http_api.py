@@ -21,7 +21,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import PurePath
 
 from fastapi import FastAPI, Request
@@ -77,8 +77,9 @@ class HttpApi:
     """`app` is the ASGI application; GenerationServer serves it with coordinator.http_server."""
 
     def __init__(self, scheduler: SchedulerThread, tokenizer, gate: RequestGate, metrics: PrometheusMetrics,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, warnings: Sequence[str] = ()):
         self.scheduler, self.tokenizer, self.gate, self.metrics = scheduler, tokenizer, gate, metrics
+        self.warnings = list(warnings)  # unsafe exposure (ServerConfig.exposure_warnings), shown on /health
         self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -125,9 +126,7 @@ class HttpApi:
             return "the server is shutting down; retry on another replica"
         if not self.scheduler.ready.is_set():
             return "the model is still loading; retry shortly"
-        if self.scheduler.start_error is not None:
-            return f"the engine failed to start: {self.scheduler.start_error}"
-        return None
+        return self.scheduler.failure
 
     def _check_serving(self) -> None:
         reason = self._not_serving()
@@ -155,10 +154,11 @@ class HttpApi:
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
         reason = self._not_serving()
+        extra = {"warnings": self.warnings} if self.warnings else {}
         if reason is None:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", **extra})
         status = "draining" if self.gate.draining else "loading" if not self.scheduler.ready.is_set() else "failed"
-        return JSONResponse({"status": status, "message": reason}, status_code=503)
+        return JSONResponse({"status": status, "message": reason, **extra}, status_code=503)
 
     async def prometheus(self, request: Request) -> Response:
         self._authorize(request)

@@ -9,7 +9,8 @@ every committed token. When the target is lost, each request is released there a
 with its prompt plus the tokens committed so far (a fresh first round) once the target answers
 again; when the draft is lost, rounds go on without speculation, except seeded sampled requests,
 which wait for it (K = 0 rounds would decide their tokens with other random draws than an
-uninterrupted run). Only a worker gone longer than worker_recovery_timeout fails its requests.
+uninterrupted run). Only a worker gone longer than worker_recovery_timeout, or one that will not
+be restarted (WorkerGone), fails its requests; `healthy` is False while the target is in that state.
 """
 from __future__ import annotations
 
@@ -126,15 +127,19 @@ class Scheduler:
         now = time.monotonic()
         releases_due = (self._release_target or self._release_draft) and now >= self._release_retry_at
         rounds_due = self.running and (self.target_health.due(now) or self.target_health.given_up(now))
-        return bool(self.waiting or rounds_due or releases_due)
+        # A target given up on is probed even when idle, so health turns back to serving on its own.
+        probe_due = self.target_health.given_up(now) and self.target_health.due(now)
+        return bool(self.waiting or rounds_due or releases_due or probe_due)
 
     def wake_in(self) -> float | None:
         """Seconds until a retry of a lost worker is due (None: nothing waits for one)."""
-        return self.target_health.wait_seconds() if self.running and not self.target_health.up else None
+        target = self.target_health
+        waits = not target.up and (self.running or target.given_up())
+        return target.wait_seconds() if waits else None
 
     @property
     def healthy(self) -> bool:
-        """False once the target has been gone longer than its recovery timeout."""
+        """False while the target is given up on (gone for good, or past its recovery timeout)."""
         return not self.target_health.given_up()
 
     @property

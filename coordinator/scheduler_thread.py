@@ -56,6 +56,7 @@ class SchedulerThread:
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()  # set once the scheduler exists (or failed to be made)
         self.start_error: BaseException | None = None
+        self._crash: str | None = None  # set if the loop itself died
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
@@ -82,6 +83,19 @@ class SchedulerThread:
         return self.ready.is_set() and self.start_error is None
 
     @property
+    def failure(self) -> str | None:
+        """Why requests cannot be served (the engine failed to start, the loop crashed, the target
+        worker is given up on); None while they can, and while the model is still loading."""
+        if self.start_error is not None:
+            return f"the engine failed to start: {self.start_error}"
+        if self._crash is not None:
+            return self._crash
+        scheduler = self.scheduler
+        if scheduler is not None and not scheduler.healthy:
+            return scheduler.target_health.describe()  # a benign race: read from another thread
+        return None
+
+    @property
     def num_active(self) -> int:
         return len(self._sinks)
 
@@ -101,6 +115,7 @@ class SchedulerThread:
         except BaseException as e:  # noqa: BLE001 - never leave a client waiting for an answer
             log.exception("the scheduler loop crashed")
             message = f"the scheduler loop crashed: {type(e).__name__}: {e}"
+            self._crash = message
             self._fail_everyone(message, "internal")
             self._serve_failed(message)
 

@@ -4,7 +4,8 @@ It serves Generate (coordinator.servicer), grpc.health.v1 and server reflection 
 server and, unless ServerConfig.http_port is 0, the OpenAI-compatible HTTP API (coordinator.http_api)
 with uvicorn on the same event loop (coordinator.http_server); both feed one SchedulerThread and
 pass one RequestGate. Health is NOT_SERVING (HTTP /health: 503) until the scheduler is built,
-SERVING after, NOT_SERVING again while draining. Optional TLS (PEM paths) and an optional bearer
+SERVING after, NOT_SERVING while the scheduler cannot serve (its target worker given up on) and
+while draining. Optional TLS (PEM paths) and an optional bearer
 token checked on every call but health, on both ports (ServerConfig). The server's Prometheus
 registry (coordinator.prometheus_metrics) is fed by every round and every request.
 """
@@ -33,6 +34,7 @@ from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+HEALTH_POLL_S = 0.25  # how soon health follows the scheduler's state
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
@@ -51,6 +53,7 @@ class GenerationServer:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._watch: asyncio.Task | None = None
+        self._follow: asyncio.Task | None = None
         self._stopped: asyncio.Event | None = None
 
     async def start(self) -> int:
@@ -77,7 +80,8 @@ class GenerationServer:
         if port == 0:
             raise RuntimeError(f"could not bind {config.address}")
         if config.http_enabled:
-            api = HttpApi(self.scheduler, self.tokenizer, self.gate, self.metrics, config.auth_token)
+            api = HttpApi(self.scheduler, self.tokenizer, self.gate, self.metrics, config.auth_token,
+                          warnings=config.exposure_warnings())
             http = HttpServer(api.app, config.host, config.http_port, config.tls_cert, config.tls_key)
             try:
                 self.http_port = await http.start()
@@ -90,8 +94,11 @@ class GenerationServer:
         await server.start()
         self.scheduler.start()
         self._watch = asyncio.create_task(self._mark_ready())
+        self._follow = asyncio.create_task(self._follow_health())
         log.info("specdec Generation serving on %s (port %d)%s", config.address, port,
                  f", HTTP API on port {self.http_port}" if self._http else "")
+        for warning in config.exposure_warnings():
+            log.warning("UNSAFE: %s", warning)
         return port
 
     async def _set_health(self, status) -> None:
@@ -102,6 +109,23 @@ class GenerationServer:
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.ready.wait)
         if self.scheduler.is_ready and not self.gate.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _follow_health(self) -> None:
+        """After start-up: NOT_SERVING while the scheduler cannot serve (target worker given up
+        on, loop crashed), SERVING again once it can; polled, as that state changes on the
+        scheduler's thread."""
+        serving = True
+        while not self.gate.draining:
+            await asyncio.sleep(HEALTH_POLL_S)
+            failure = self.scheduler.failure
+            if (failure is None) != serving and not self.gate.draining:
+                serving = failure is None
+                if serving:
+                    log.warning("serving again")
+                else:
+                    log.error("not serving: %s", failure)
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING if serving
+                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the scheduler is built; re-raises its construction error."""
@@ -129,6 +153,7 @@ class GenerationServer:
             log.warning("%d requests still running after %ss of grace: cancelling them", self.gate.in_flight, grace_s)
         await asyncio.gather(self._server.stop(0.5), *([self._http.stop()] if self._http else []))
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop, 30.0)
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._follow):
+            if task is not None:
+                task.cancel()
         self._stopped.set()

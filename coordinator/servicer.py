@@ -64,9 +64,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         if self.gate.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
-        if self.scheduler.ready.is_set() and self.scheduler.start_error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine failed to start: {self.scheduler.start_error}")
+        if (failure := self.scheduler.failure) is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the service is unavailable: {failure}; retry later")
         try:
             req = request_from_proto(request, self.tokenizer, f"{self._prefix}-{next(self._ids)}",
                                      context.time_remaining())

@@ -14,6 +14,7 @@ settings (`device`, `dtype`, `kv_*`) set the target's and the draft's field alik
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,17 @@ class SchedulerConfig:
             _check(getattr(self, name) > 0, f"scheduler.{name}", "a number of seconds > 0", getattr(self, name))
 
 
+def is_loopback(host: str) -> bool:
+    """Is `host` reachable from this machine only? (A hostname other than localhost counts as not.)"""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def host_port(host: str, port: int) -> str:
     """"host:port", with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
@@ -152,7 +164,8 @@ def host_port(host: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = setting("0.0.0.0", "public bind address of the Generation service (gRPC and HTTP)")
+    host: str = setting("127.0.0.1", "public bind address of the gRPC and HTTP APIs (0.0.0.0: every interface; "
+                                     "then also set auth_token and TLS)")
     port: int = setting(50051, "public gRPC port (0: any free port)")
     http_port: int = setting(8000, "public port of the OpenAI-compatible HTTP API (0: off; -1: any free port)")
     tls_cert: str | None = setting(None, "PEM certificate for the public ports (with tls_key)")
@@ -178,6 +191,21 @@ class ServerConfig:
     @property
     def http_enabled(self) -> bool:
         return self.http_port != 0
+
+    def exposure_warnings(self) -> list[str]:
+        """What is unsafe about listening where this config says: on a non-loopback address,
+        without a token anyone who reaches the ports can generate, and without TLS the token and
+        every prompt cross the network in clear text."""
+        if is_loopback(self.host):
+            return []
+        warnings = []
+        if not self.auth_token:
+            warnings.append(f"listening on {self.host} with no auth_token: anyone who can reach these ports "
+                            "can run generation (set --auth-token / SPECDEC_AUTH_TOKEN)")
+        if not self.tls_cert:
+            warnings.append(f"listening on {self.host} without TLS: the bearer token and every prompt and "
+                            "completion cross the network in clear text (set --tls-cert and --tls-key)")
+        return warnings
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ K8S = REPO / "k8s"
 K8S_VERSION = "1.30.0"  # validate against this Kubernetes API version (bundled schema)
 
 PUBLIC_PORT = 50051
+HTTP_PORT = 8000
 WORKER_PORT_ENV = {"target": "SPECDEC_TARGET_WORKER_PORT", "draft": "SPECDEC_DRAFT_WORKER_PORT"}
 GPU = "nvidia.com/gpu"
 CUSTOM_RESOURCE = {"head": "specdec_coordinator", "target": "specdec_target", "draft": "specdec_draft"}
@@ -270,7 +271,8 @@ def test_container_scripts_are_valid_bash(group_name):
 def test_head_runs_specdec_serve_on_the_public_port():
     script = _script(_ray_container(_groups()["head"]))
     serve = script[script.index("specdec serve"):]
-    for flag in ("--ray-address auto", f"--port {PUBLIC_PORT}", "--host 0.0.0.0", "--worker-host node-ip",
+    for flag in ("--ray-address auto", f"--port {PUBLIC_PORT}", f"--http-port {HTTP_PORT}", "--host 0.0.0.0",
+                 "--worker-host node-ip",
                  '--target "$SPECDEC_TARGET"', '--draft "$SPECDEC_DRAFT"', '--device "$SPECDEC_DEVICE"'):
         assert flag in serve, flag
     assert "--auth-token" not in script, "the token comes from the environment, not the command line"
@@ -483,7 +485,8 @@ def test_network_policy_isolates_the_workers_grpc_ports_to_the_coordinator():
 def test_network_policy_opens_the_public_port_and_keeps_ray_inside_the_cluster():
     head = _pod_labels("head")
     assert _policies_for(head), "the coordinator pod is not selected by any NetworkPolicy"
-    assert _allowed(PUBLIC_PORT, head, None) and _allowed(PUBLIC_PORT, head, {"app": "client"})
+    for public in (PUBLIC_PORT, HTTP_PORT):
+        assert _allowed(public, head, None) and _allowed(public, head, {"app": "client"})
     members = [_pod_labels(g) for g in _groups()]
     for name in _groups():
         dst = _pod_labels(name)
@@ -496,15 +499,19 @@ def test_network_policy_opens_the_public_port_and_keeps_ray_inside_the_cluster()
             assert not _allowed(port, dst, None), (name, port)
 
 
-def test_service_targets_the_coordinator_on_50051():
+def test_service_targets_the_coordinator_on_its_grpc_and_http_ports():
     service = _one("Service")
     selector = service["spec"]["selector"]
     assert _selector_matches({"matchLabels": selector}, _pod_labels("head"))
     assert not _selector_matches({"matchLabels": selector}, _pod_labels("target"))
     assert not _selector_matches({"matchLabels": selector}, _pod_labels("draft"))
-    (port,) = service["spec"]["ports"]
-    assert port["port"] == PUBLIC_PORT and port["targetPort"] == PUBLIC_PORT
-    assert port["appProtocol"] == "grpc" and port["protocol"] == "TCP"
+    grpc_port, http_port = service["spec"]["ports"]
+    assert grpc_port["port"] == PUBLIC_PORT and grpc_port["targetPort"] == PUBLIC_PORT
+    assert grpc_port["appProtocol"] == "grpc" and grpc_port["protocol"] == "TCP"
+    assert http_port["port"] == HTTP_PORT and http_port["targetPort"] == HTTP_PORT
+    assert http_port["appProtocol"] == "http" and http_port["protocol"] == "TCP"
+    container_ports = {p["name"]: p["containerPort"] for p in _ray_container(_groups()["head"])["ports"]}
+    assert container_ports["grpc"] == PUBLIC_PORT and container_ports["http"] == HTTP_PORT
 
 
 # --- kustomize, Dockerfile ---------------------------------------------------------------------

@@ -3,25 +3,35 @@
 Real workers serve over gRPC on fixed loopback ports; a test kills one (its server stops and its
 state is gone, as when the process dies) and starts a fresh one on the same port (as Ray restarts
 it). The coordinator's scheduler holds every committed token and resumes each request; the
-outputs must equal an uninterrupted run, greedy and seeded sampled alike. No Ray here: these run
-in seconds; tests/test_fault_tolerance.py kills real Ray actors.
+outputs must equal an uninterrupted run, greedy and seeded sampled alike. The last tests go
+through the public server (health, drain). No Ray here: these run in seconds;
+tests/test_fault_tolerance.py kills real Ray actors.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from types import SimpleNamespace
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.errors import WorkerGone
 from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler
+from coordinator.server import SERVICE_NAME
+from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
 from specdec import LocalEngine, ServiceConfig
 from specdec.app.ray_actors import free_port
+from specdec.client import GenerationClient
 from specdec.params import SamplingParams
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
@@ -280,3 +290,97 @@ def test_a_hung_worker_is_treated_as_dead_and_its_requests_resume(cluster, unint
     out = run(cluster.scheduler, 3, hang, steps_between=1, after=recover)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == uninterrupted
     assert "no answer within 2s" in cluster.scheduler.target_health.last_error
+
+
+# --- through the public server: health, and a kill while draining ---------------------------
+
+
+def health_status(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+def http_health(port: int) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def eventually(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+LONG = SamplingParams(max_new_tokens=200, ignore_eos=True)
+
+
+def test_a_worker_ray_will_not_restart_fails_requests_at_once_and_health_follows(cluster):
+    """The target dies and its supervisor says it is gone for good (Ray: max_restarts used up):
+    its stream fails now, not after the 30 s recovery timeout; health says NOT_SERVING, new
+    requests are refused with the reason; redeployed, health says SERVING again by itself."""
+    gone = threading.Event()
+
+    def resolve() -> str:
+        if gone.is_set():
+            raise WorkerGone("Ray will not restart specdec-target (max_restarts used up)")
+        return cluster.target.address
+
+    cluster.scheduler.target.resolve_address = resolve
+    with run_server_in_thread(lambda: cluster.scheduler, None) as server:
+        assert health_status(server.port) == health_pb2.HealthCheckResponse.SERVING
+        client = GenerationClient(f"127.0.0.1:{server.port}")
+        stream = client.generate_stream(PROMPTS[0], max_new_tokens=LONG.max_new_tokens, ignore_eos=True)
+        next(stream)
+        gone.set()
+        cluster.target.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stream)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "will not be restarted" in failed.value.details() and time.monotonic() - t0 < 10
+        assert eventually(lambda: health_status(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING)
+        code, body = http_health(server.http_port)
+        assert code == 503 and body["status"] == "failed" and "will not be restarted" in body["message"]
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(PROMPTS[1], max_new_tokens=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "max_restarts" in refused.value.details()
+
+        cluster.target.start()  # deployed again: nobody sends a request, health comes back alone
+        gone.clear()
+        assert eventually(lambda: health_status(server.port) == health_pb2.HealthCheckResponse.SERVING)
+        assert len(client.generate(PROMPTS[1], max_new_tokens=5).token_ids) == 5
+        client.close()
+
+
+def test_a_worker_killed_while_the_server_drains_its_streams_still_finish(cluster, models):
+    """SIGTERM-style drain starts while a stream runs, then the target dies and comes back: the
+    stream finishes inside the grace period with the uninterrupted tokens, no new request gets in."""
+    want = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False) \
+        .generate([PROMPTS[0]], LONG)[0].token_ids
+    config = dataclasses.replace(LOOPBACK_SERVER, grace_period=60.0)
+    with run_server_in_thread(lambda: cluster.scheduler, None, config) as server:
+        client = GenerationClient(f"127.0.0.1:{server.port}")
+        stream = client.generate_stream(PROMPTS[0], max_new_tokens=LONG.max_new_tokens, ignore_eos=True)
+        got = list(next(stream).token_ids)
+        stopping = threading.Thread(target=server.stop)  # drains for up to 60 s
+        stopping.start()
+        assert eventually(lambda: server.server.gate.draining)
+        cluster.target.kill()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(PROMPTS[1], max_new_tokens=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+        time.sleep(0.3)
+        cluster.target.start()
+        for response in stream:
+            got += response.token_ids
+        assert response.finish_reason == "length" and got == want
+        stopping.join(30)
+        assert not stopping.is_alive()  # the drain ended as soon as the stream did
+        client.close()

@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 
-from specdec.config import DraftConfig, ServiceConfig, TargetConfig, host_port
+from coordinator.errors import WorkerGone
+from specdec.config import DraftConfig, ServiceConfig, TargetConfig, host_port, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ NAMESPACE = "specdec"
 COORDINATOR_RESOURCE = "specdec_coordinator"
 TARGET_RESOURCE = "specdec_target"
 DRAFT_RESOURCE = "specdec_draft"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def resolve_host(host: str) -> str:
@@ -76,7 +76,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def worker_port(host: str, fixed_port: int) -> int:
     """The port a worker binds: a free one on loopback, else the fixed one the NetworkPolicy opens."""
-    return free_port(host) if host in LOOPBACK_HOSTS else fixed_port
+    return free_port(host) if is_loopback(host) else fixed_port
 
 
 def specdec_resources() -> dict:
@@ -220,9 +220,15 @@ def _restarter(actor_name: str, namespace: str):
 
 
 def _address_resolver(actor_name: str, namespace: str, timeout_s: float = 1.0):
+    """The worker's current address; WorkerGone once Ray will not restart it (an actor that is
+    restarting times out instead, and is asked again after the next failed round)."""
     def resolve() -> str:
-        actor = ray.get_actor(actor_name, namespace=namespace)
-        return ray.get(actor.address.remote(), timeout=timeout_s)
+        try:
+            actor = ray.get_actor(actor_name, namespace=namespace)
+            return ray.get(actor.address.remote(), timeout=timeout_s)
+        except (ValueError, ray.exceptions.ActorDiedError) as e:
+            raise WorkerGone(f"Ray will not restart {actor_name} (max_restarts used up, or it was removed): "
+                             f"{str(e).splitlines()[0]}", worker=actor_name) from e
     return resolve
 
 

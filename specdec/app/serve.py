@@ -2,10 +2,13 @@
 
 With no arguments: start a local Ray instance (dashboard on http://127.0.0.1:8265), put the
 shipped pair (models/target drafted by models/draft) in Ray actors, and serve Generate (gRPC) on
-0.0.0.0:50051 and the OpenAI-compatible HTTP API on 0.0.0.0:8000 (--http-port; 0: off). Workers
-listen on 127.0.0.1 only; only the coordinator's public ports are open.
+127.0.0.1:50051 and the OpenAI-compatible HTTP API on 127.0.0.1:8000 (--http-port; 0: off).
+Everything listens on loopback by default: the public ports (--host 0.0.0.0 opens them, and then
+a missing --auth-token or TLS is warned about at start-up and on /health), the workers, and the
+local Ray instance this command starts (see _ray_init).
 
-  specdec serve                                   # shipped pair, local Ray, port 50051
+  specdec serve                                   # shipped pair, local Ray, 127.0.0.1:50051
+  specdec serve --host 0.0.0.0 --auth-token "$TOKEN" --tls-cert crt.pem --tls-key key.pem
   specdec serve --target DIR --draft ngram        # n-gram (prompt lookup) drafting
   specdec serve --target model.gguf               # a GGUF file (quantized weights are dequantized)
   specdec serve --target Qwen/Qwen2.5-0.5B-Instruct --draft ngram   # from the local Hub cache
@@ -22,8 +25,10 @@ started it, and the exit status is 0. A second signal exits at once (status 1).
 
 On a cluster whose nodes carry specdec_* resources (k8s/raycluster.yaml) the command first waits
 for the target/draft worker nodes (--worker-wait), and each actor goes to its own node. A worker
-whose process dies is restarted by Ray (--max-restarts) on the same port: requests in flight end
-with UNAVAILABLE, requests after its recovery succeed.
+whose process dies (or hangs past --worker-round-timeout) is restarted by Ray (--max-restarts) on
+the same port, and the coordinator resumes its in-flight requests where they were: the clients
+see a pause. Once Ray has no restarts left, those requests fail with UNAVAILABLE and health says
+NOT_SERVING.
 """
 from __future__ import annotations
 
@@ -146,6 +151,18 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
+def _warn_exposure(config: ServiceConfig) -> None:
+    """Before anything is bound: say loudly what is unsafe about where we are about to listen."""
+    warnings = config.server.exposure_warnings()
+    if not warnings:
+        return
+    bar = "!" * 100
+    lines = [bar, "specdec serve: WARNING: this server is reachable from other machines and not protected:"]
+    lines += [f"  - {warning}" for warning in warnings]
+    lines += ["  (serve on 127.0.0.1, the default, to keep it to this machine)", bar]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 def _http_note(config: ServiceConfig, http_port: int | None) -> str:
     """", OpenAI-compatible HTTP API at http://host:port/v1" when it is on."""
     if not http_port:
@@ -185,16 +202,36 @@ def _serve_in_process(config: ServiceConfig, signals: _Signals) -> int:
     return 0
 
 
+# Ray binds its ports (GCS, raylet, object manager, workers, dashboard agent, metrics export) to
+# its node IP, and on Linux turns a node IP of 127.0.0.1 into the machine's address unless its
+# cluster mode is off. With this variable at 0 (read when `ray` is imported, inherited by the
+# processes it starts) a local instance keeps everything on loopback; no other node can join it.
+_RAY_LOOPBACK_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _keep_local_ray_on_loopback() -> None:
+    name, value = _RAY_LOOPBACK_ENV
+    os.environ[name] = value
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # ray was imported already (e.g. in tests): its constant is stale
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def _ray_init(config: ServiceConfig, quiet: bool):
+    """Join config.ray.address, or start a local Ray instance that listens on loopback only (its
+    dashboard on config.ray.dashboard_host, 127.0.0.1 unless told otherwise)."""
+    started = config.ray.address is None
+    if started:
+        _keep_local_ray_on_loopback()
     import ray
 
-    started = config.ray.address is None
     kwargs = dict(namespace="specdec", logging_level="WARNING" if quiet else "INFO")
     if started:
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
+               _RAY_LOOPBACK_ENV[0]: _RAY_LOOPBACK_ENV[1]}
         context = ray.init(include_dashboard=True, dashboard_host=config.ray.dashboard_host,
                            dashboard_port=config.ray.dashboard_port, num_cpus=max(os.cpu_count() or 1, 2),
-                           runtime_env={"env_vars": env}, **kwargs)
+                           runtime_env={"env_vars": env}, _node_ip_address="127.0.0.1", **kwargs)
     else:
         context = ray.init(address=config.ray.address, **kwargs)
     url = getattr(context, "dashboard_url", None) or ""
@@ -284,6 +321,7 @@ def run(args) -> int:
     signals = _Signals()
     try:
         config = build_config(args)
+        _warn_exposure(config)
         check_port_free(config.server.host, config.server.port)
         if config.server.http_port > 0:
             check_port_free(config.server.host, config.server.http_port, "--http-port")

@@ -8,7 +8,8 @@ step's RoundReport. It records:
 - round latency by phase (histogram, tag `phase`): `draft` and `verify` as the coordinator sees
   them (client side: worker compute + network + (de)serialization), `coordinator` = round time
   minus the two worker calls (scheduling, stop strings, streaming), and `total`
-- queue depth, running requests, KV blocks used / total / usage fraction (gauges)
+- queue depth, running requests, KV blocks used / total / usage fraction (gauges, tag `replica`:
+  one series per target replica; `snapshot()` sums them and keeps each under "replicas")
 - finished requests by reason (counter, tag `reason`) and per-request acceptance (histogram)
 - resumed requests by worker (counter: carried on after a lost worker came back) and whether each
   worker answers (gauge `specdec_worker_up`, tag `worker`)
@@ -73,8 +74,8 @@ class _RayInstruments:
         def counter(name, desc, keys=()):
             return m.Counter(name, desc, tag_keys=("deployment", *keys)).set_default_tags(tags)
 
-        def gauge(name, desc):
-            return m.Gauge(name, desc, tag_keys=("deployment",)).set_default_tags(tags)
+        def gauge(name, desc, keys=()):
+            return m.Gauge(name, desc, tag_keys=("deployment", *keys)).set_default_tags(tags)
 
         def histogram(name, desc, bounds, keys=()):
             return m.Histogram(name, desc, boundaries=bounds, tag_keys=("deployment", *keys)).set_default_tags(tags)
@@ -86,15 +87,16 @@ class _RayInstruments:
         self.finished = counter("specdec_requests_finished", "Finished requests by finish reason", ("reason",))
         self.resumed = counter("specdec_requests_resumed", "Requests carried on after a lost worker came back, "
                                "by worker", ("worker",))
-        self.worker_up = m.Gauge("specdec_worker_up", "1 while the worker answers, 0 while it is lost",
-                                 tag_keys=("deployment", "worker")).set_default_tags(tags)
+        self.worker_up = gauge("specdec_worker_up", "1 while the worker answers, 0 while it is lost",
+                               ("worker", "replica"))
         self.tokens_per_s = gauge("specdec_tokens_per_second", "Generated tokens per second (sliding window)")
         self.acceptance = gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens (sliding window)")
-        self.queue_depth = gauge("specdec_queue_depth", "Requests waiting for admission")
-        self.running = gauge("specdec_running_requests", "Requests in the running batch")
-        self.kv_used = gauge("specdec_kv_blocks_used", "Target KV-cache blocks in use")
-        self.kv_total = gauge("specdec_kv_blocks_total", "Target KV-cache blocks in total")
-        self.kv_usage = gauge("specdec_kv_cache_usage", "Fraction of target KV-cache blocks in use")
+        replica = ("replica",)
+        self.queue_depth = gauge("specdec_queue_depth", "Requests waiting for admission", replica)
+        self.running = gauge("specdec_running_requests", "Requests in the running batch", replica)
+        self.kv_used = gauge("specdec_kv_blocks_used", "Target KV-cache blocks in use", replica)
+        self.kv_total = gauge("specdec_kv_blocks_total", "Target KV-cache blocks in total", replica)
+        self.kv_usage = gauge("specdec_kv_cache_usage", "Fraction of target KV-cache blocks in use", replica)
         self.round_seconds = histogram("specdec_round_seconds", "Round latency by phase (draft, verify, "
                                        "coordinator, total)", LATENCY_BOUNDARIES_S, ("phase",))
         self.request_acceptance = histogram("specdec_request_acceptance_rate",
@@ -155,7 +157,7 @@ class RoundMetrics:
         self.totals = {"generated_tokens": 0, "proposed": 0, "accepted": 0, "rounds": 0, "finished": {},
                        "round_seconds": {}, "queue_depth": 0, "running": 0, "kv_blocks_used": 0,
                        "kv_blocks_total": 0, "wire_bytes": {}, "wire_bytes_last_round": {}, "resumed": {},
-                       "workers_down": []}
+                       "workers_down": [], "replicas": {}}
         self._wire = WireDeltas(wire) if wire else None
         self._wire_pending: dict[str, tuple[int, int]] = {}
         export = ray_is_initialized() if export is None else export
@@ -207,11 +209,15 @@ class RoundMetrics:
             for reason, _ in finished:
                 t["finished"][reason] = t["finished"].get(reason, 0) + 1
             t["round_seconds"].update(phases)
-            t["queue_depth"], t["running"] = report.queue_depth, report.running
-            t["kv_blocks_used"], t["kv_blocks_total"] = report.kv_blocks_used, report.kv_blocks_total
+            replica = t["replicas"].setdefault(report.replica, {"rounds": 0})
+            replica.update(queue_depth=report.queue_depth, running=report.running,
+                           kv_blocks_used=report.kv_blocks_used, kv_blocks_total=report.kv_blocks_total,
+                           workers_down=list(report.workers_down), rounds=replica["rounds"] + int(report.ran))
+            for key in ("queue_depth", "running", "kv_blocks_used", "kv_blocks_total"):
+                t[key] = sum(r[key] for r in t["replicas"].values())
             for worker, req_ids in report.resumed.items():
                 t["resumed"][worker] = t["resumed"].get(worker, 0) + len(req_ids)
-            t["workers_down"] = list(report.workers_down)
+            t["workers_down"] = sorted({w for r in t["replicas"].values() for w in r["workers_down"]})
             for worker, (sent, received) in wire.items():
                 total = t["wire_bytes"].setdefault(worker, {"sent": 0, "received": 0})
                 total["sent"] += sent
@@ -250,14 +256,15 @@ class RoundMetrics:
                 r.wire_bytes_per_round.observe(n, tags=tags)
         for worker, req_ids in report.resumed.items():
             r.resumed.inc(len(req_ids), tags={"worker": worker})
+        replica = {"replica": str(report.replica)}
         for worker in ("target", "draft"):
-            r.worker_up.set(0.0 if worker in report.workers_down else 1.0, tags={"worker": worker})
-        r.queue_depth.set(report.queue_depth)
-        r.running.set(report.running)
-        r.kv_used.set(report.kv_blocks_used)
-        r.kv_total.set(report.kv_blocks_total)
+            r.worker_up.set(0.0 if worker in report.workers_down else 1.0, tags={"worker": worker, **replica})
+        r.queue_depth.set(report.queue_depth, tags=replica)
+        r.running.set(report.running, tags=replica)
+        r.kv_used.set(report.kv_blocks_used, tags=replica)
+        r.kv_total.set(report.kv_blocks_total, tags=replica)
         if report.kv_blocks_total:
-            r.kv_usage.set(report.kv_blocks_used / report.kv_blocks_total)
+            r.kv_usage.set(report.kv_blocks_used / report.kv_blocks_total, tags=replica)
         self._set_rates(now)
 
     def _set_rates(self, now: float) -> None:

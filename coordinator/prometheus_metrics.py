@@ -53,10 +53,12 @@ class PrometheusMetrics:
         Gauge("specdec_mean_accepted_length", "Tokens committed per target forward pass over a request, since "
               "start (1.0 without speculation)", registry=r).set_function(
             lambda: _ratio(self._totals[2], self._totals[3]))
-        self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for admission", registry=r)
-        self.running = Gauge("specdec_running_requests", "Requests in the running batch", registry=r)
-        self.kv_used = Gauge("specdec_kv_blocks_used", "Target KV-cache blocks in use", registry=r)
-        self.kv_total = Gauge("specdec_kv_blocks_total", "Target KV-cache blocks in total", registry=r)
+        # Per target replica (coordinator.router): what the router balances.
+        replica = ("replica",)
+        self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for admission", replica, registry=r)
+        self.running = Gauge("specdec_running_requests", "Requests in the running batch", replica, registry=r)
+        self.kv_used = Gauge("specdec_kv_blocks_used", "Target KV-cache blocks in use", replica, registry=r)
+        self.kv_total = Gauge("specdec_kv_blocks_total", "Target KV-cache blocks in total", replica, registry=r)
         self.round_seconds = Histogram("specdec_round_seconds", "Round latency by phase (draft, verify, "
                                        "coordinator, total)", ("phase",), buckets=ROUND_BUCKETS_S, registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "From a request's arrival to its first "
@@ -82,12 +84,13 @@ class PrometheusMetrics:
         self.proposed.inc(proposed)
         self.accepted.inc(accepted)
         self.rounds.inc(int(report.ran))
+        replica = str(report.replica)
         for phase, seconds in report.phase_seconds.items():
             self.round_seconds.labels(phase).observe(seconds)
-        self.queue_depth.set(report.queue_depth)
-        self.running.set(report.running)
-        self.kv_used.set(report.kv_blocks_used)
-        self.kv_total.set(report.kv_blocks_total)
+        self.queue_depth.labels(replica).set(report.queue_depth)
+        self.running.labels(replica).set(report.running)
+        self.kv_used.labels(replica).set(report.kv_blocks_used)
+        self.kv_total.labels(replica).set(report.kv_blocks_total)
 
     def time_request(self, prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, prompt_tokens)

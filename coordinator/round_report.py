@@ -50,6 +50,7 @@ class RoundReport:
     # Requests carried on this round after a lost worker came back, by worker ("target" | "draft").
     resumed: dict[str, list[str]] = field(default_factory=dict)
     workers_down: list[str] = field(default_factory=list)  # workers lost at the end of the step
+    replica: int = 0  # which target replica's scheduler ran the step (coordinator.router)
 
     @property
     def overhead_seconds(self) -> float:

@@ -46,11 +46,13 @@ class SchedulerThread:
     requests submitted before it returns wait in the inbox. After every step, on the thread,
     `record_round(report)` (the server's own metrics) runs before the updates go out and
     `on_round(report)` (the caller's hook, which tests swap freely) after; an exception in either
-    is logged and ignored."""
+    is logged and ignored. `replica` numbers the thread among the router's replicas; it is
+    stamped on every report."""
 
     def __init__(self, scheduler_factory: Callable[[], Scheduler], on_round: OnRound | None = None,
-                 record_round: OnRound | None = None):
+                 record_round: OnRound | None = None, replica: int = 0):
         self._factory = scheduler_factory
+        self.replica = replica
         self.on_round = on_round
         self.record_round = record_round
         self.scheduler: Scheduler | None = None
@@ -59,7 +61,7 @@ class SchedulerThread:
         self._crash: str | None = None  # set if the loop itself died
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, Sink] = {}
-        self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"specdec-scheduler-{replica}", daemon=True)
 
     # -- called from any thread ---------------------------------------------------------------
     def start(self) -> None:
@@ -147,6 +149,7 @@ class SchedulerThread:
                         sched.abort(req_id)
                 self._fail_everyone(f"{type(e).__name__}: {e}", "internal")
                 continue
+            report.replica = self.replica
             # The server's metrics first, so a client that has its answer finds it counted.
             self._call(self.record_round, report)
             self._route(report.updates)

@@ -2,10 +2,10 @@
 
 It serves Generate (coordinator.servicer), grpc.health.v1 and server reflection on one grpc.aio
 server and, unless ServerConfig.http_port is 0, the OpenAI-compatible HTTP API (coordinator.http_api)
-with uvicorn on the same event loop (coordinator.http_server); both feed one SchedulerThread and
-pass one RequestGate. Health is NOT_SERVING (HTTP /health: 503) until the scheduler is built,
-SERVING after, NOT_SERVING while the scheduler cannot serve (its target worker given up on) and
-while draining. Optional TLS (PEM paths) and an optional bearer
+with uvicorn on the same event loop (coordinator.http_server); both feed one Router (one
+SchedulerThread per target replica, coordinator.router) and pass one RequestGate. Health is
+NOT_SERVING (HTTP /health: 503) until the schedulers are built, SERVING after, NOT_SERVING while no
+replica can serve (their target workers given up on) and while draining. Optional TLS (PEM paths) and an optional bearer
 token checked on every call but health, on both ports (ServerConfig). The server's Prometheus
 registry (coordinator.prometheus_metrics) is fed by every round and every request.
 """
@@ -25,11 +25,12 @@ from coordinator.http_api import HttpApi
 from coordinator.http_server import HttpServer
 from coordinator.prometheus_metrics import PrometheusMetrics
 from coordinator.request_gate import RequestGate
+from coordinator.router import ReplicaLauncher, Router, SchedulerFactory
 from coordinator.scheduler import Scheduler
-from coordinator.scheduler_thread import OnRound, SchedulerThread
+from coordinator.scheduler_thread import OnRound
 from coordinator.servicer import GenerationServicer
 from specdec import wire
-from specdec.config import ServerConfig
+from specdec.config import ReplicaConfig, ServerConfig
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,17 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 
 
 class GenerationServer:
-    def __init__(self, scheduler_factory: Callable[[], Scheduler], tokenizer, config: ServerConfig,
-                 on_round: OnRound | None = None):
+    def __init__(self, scheduler_factory: Callable[[], Scheduler] | list[SchedulerFactory], tokenizer,
+                 config: ServerConfig, on_round: OnRound | None = None, launcher: ReplicaLauncher | None = None,
+                 replica_config: ReplicaConfig | None = None):
+        """One scheduler factory per target replica (a single one: one replica); `launcher` and
+        `replica_config` turn on autoscaling (coordinator.router)."""
         self.config = config
         self.metrics = PrometheusMetrics()
         self.gate = RequestGate()
-        self.scheduler = SchedulerThread(scheduler_factory, on_round, record_round=self.metrics.on_round)
+        factories = scheduler_factory if isinstance(scheduler_factory, list) else [scheduler_factory]
+        self.scheduler = Router(factories, on_round, record_round=self.metrics.on_round, launcher=launcher,
+                                replica_config=replica_config)
         self.servicer: GenerationServicer | None = None
         self.tokenizer = tokenizer
         self.port: int | None = None

@@ -54,11 +54,15 @@ class WorkerConfig:
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = setting("auto", "float32, bfloat16, float16, or auto: float32 on CPU, bfloat16 on CUDA")
     kv_cache_blocks: int | None = setting(
-        None, "KV-cache blocks per worker; unset: room for 32 sequences of the full context, "
-              "at most kv_cache_max_bytes")
+        None, "KV-cache blocks per worker; unset: on CUDA from kv_memory_fraction, on CPU room for 32 "
+              "sequences of the full context, at most kv_cache_max_bytes")
     kv_block_size: int = setting(16, "tokens per KV-cache block")
     kv_cache_max_bytes: int = setting(1 << 30, "memory cap of the default KV-cache size, in bytes")
     num_threads: int | None = setting(None, "torch intra-op threads of the worker; unset: torch's default")
+    kv_memory_fraction: float = setting(
+        0.9, "on CUDA, unless kv_cache_blocks is set: the share of the accelerator memory still free after "
+             "the weights that the KV cache takes (like other servers' GPU memory utilisation); on CPU the "
+             "fixed default size applies")
 
     role = "worker"  # names the fields in error messages
 
@@ -70,6 +74,8 @@ class WorkerConfig:
         _positive(f"{self.role}.kv_block_size", self.kv_block_size)
         _positive(f"{self.role}.kv_cache_max_bytes", self.kv_cache_max_bytes)
         _positive(f"{self.role}.num_threads", self.num_threads, optional=True)
+        _check(isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1,
+               f"{self.role}.kv_memory_fraction", "a number in (0, 1]", self.kv_memory_fraction)
 
     @property
     def resolved_dtype(self) -> str:
@@ -232,11 +238,73 @@ class RayConfig:
             _check(isinstance(port, int) and 0 <= port < 65536, f"ray.{name}", "a port number", port)
 
 
+DRAFT_PLACEMENTS = ("colocated", "spread")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How many independent target replicas (each its own target worker, KV cache and scheduler)
+    serve behind the one public endpoint, where their workers go, and when the coordinator adds or
+    removes one (autoscaling: between min_replicas and max_replicas)."""
+
+    count: int = setting(1, "target replicas at start, each with its own target worker, KV cache and scheduler")
+    min_replicas: int | None = setting(None, "autoscaling: never fewer replicas than this; unset: replicas")
+    max_replicas: int | None = setting(None, "autoscaling: never more replicas than this; unset: replicas "
+                                             "(max > min turns autoscaling on)")
+    draft_replicas: int | None = setting(None, "draft workers shared by the target replicas (replica i drafts "
+                                               "with draft i mod M); unset: one per replica")
+    draft_placement: str = setting("colocated", "colocated: a replica's target and draft share a node when "
+                                                "they fit (Ray PACK); spread: on different nodes (SPREAD)")
+    scale_up_queue: int = setting(4, "autoscaling: add a replica when every replica has more waiting "
+                                     "requests than this for scale_window seconds")
+    scale_window: float = setting(10.0, "autoscaling: seconds the queue must stay above scale_up_queue")
+    scale_down_idle: float = setting(60.0, "autoscaling: seconds a replica must be idle before it is drained "
+                                           "and removed")
+
+    def __post_init__(self) -> None:
+        _positive("replicas.replicas", self.count)
+        _positive("replicas.min_replicas", self.min_replicas, optional=True)
+        _positive("replicas.max_replicas", self.max_replicas, optional=True)
+        _check(self.lowest <= self.count, "replicas.replicas", f"at least min_replicas ({self.lowest})",
+               self.count)
+        _check(self.count <= self.highest, "replicas.max_replicas", f"at least replicas ({self.count})",
+               self.highest)
+        _positive("replicas.draft_replicas", self.draft_replicas, optional=True)
+        _check(self.draft_replicas is None or self.draft_replicas <= self.highest, "replicas.draft_replicas",
+               f"at most max_replicas ({self.highest})", self.draft_replicas)
+        _check(self.draft_placement in DRAFT_PLACEMENTS, "replicas.draft_placement",
+               f"one of {', '.join(DRAFT_PLACEMENTS)}", self.draft_placement)
+        _check(isinstance(self.scale_up_queue, int) and self.scale_up_queue >= 0, "replicas.scale_up_queue",
+               "an integer >= 0", self.scale_up_queue)
+        for name in ("scale_window", "scale_down_idle"):
+            _check(getattr(self, name) > 0, f"replicas.{name}", "a number of seconds > 0", getattr(self, name))
+
+    @property
+    def lowest(self) -> int:
+        return self.count if self.min_replicas is None else self.min_replicas
+
+    @property
+    def highest(self) -> int:
+        return self.count if self.max_replicas is None else self.max_replicas
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.highest > self.lowest
+
+    def draft_of(self, replica: int) -> int:
+        """The draft worker replica `replica` drafts with."""
+        return replica % self.draft_replicas if self.draft_replicas else replica
+
+    def owns_draft(self, replica: int) -> bool:
+        """Does replica `replica` start a draft worker (others share one)?"""
+        return self.draft_of(replica) == replica
+
+
 # Settings whose flat name is not simply the field's name.
 _RENAMED = {
     ("target", "model"): "target", ("draft", "model"): "draft",
     ("target", "num_threads"): "target_threads", ("draft", "num_threads"): "draft_threads",
-    ("ray", "enabled"): "ray", ("ray", "address"): "ray_address",
+    ("ray", "enabled"): "ray", ("ray", "address"): "ray_address", ("replicas", "count"): "replicas",
 }
 
 
@@ -247,6 +315,7 @@ class ServiceConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     @classmethod
     def from_settings(cls, base: ServiceConfig | None = None, **settings) -> ServiceConfig:

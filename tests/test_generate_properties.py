@@ -135,7 +135,7 @@ def check_answer(served, req: generation_pb2.GenerateRequest) -> None:
     if last.finish_reason == "length":
         assert n == limit
     assert all(0 <= t < VOCAB for r in responses for t in r.token_ids)
-    assert served.handle.server.scheduler._thread.is_alive()
+    assert all(r.thread._thread.is_alive() for r in served.handle.server.scheduler.replicas)
     event(f"completed: {last.finish_reason}")
 
 

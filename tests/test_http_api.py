@@ -288,9 +288,10 @@ def test_metrics_scrape_parses_and_moves(served):
     rate = after[("specdec_acceptance_rate", frozenset())]
     assert 0 <= accepted <= proposed and (rate == accepted / proposed if proposed else math.isnan(rate))
     assert after[("specdec_mean_accepted_length", frozenset())] >= 1.0
-    assert after[("specdec_kv_blocks_total", frozenset())] == KV["kv_cache_blocks"]
-    assert after[("specdec_kv_blocks_used", frozenset())] == 0  # released after the request
-    assert after[("specdec_running_requests", frozenset())] == after[("specdec_queue_depth", frozenset())] == 0
+    replica = frozenset({("replica", "0")})
+    assert after[("specdec_kv_blocks_total", replica)] == KV["kv_cache_blocks"]
+    assert after[("specdec_kv_blocks_used", replica)] == 0  # released after the request
+    assert after[("specdec_running_requests", replica)] == after[("specdec_queue_depth", replica)] == 0
 
 
 def test_round_gauges_agree_with_the_requests_own_stats(reference):

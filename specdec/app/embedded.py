@@ -14,7 +14,7 @@ from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient, WireCoun
 from coordinator.scheduler import Scheduler
 from draft_worker.worker import DraftWorker
 from specdec.app.cost_cache import load_costs, save_costs
-from specdec.config import ServiceConfig
+from specdec.config import NGRAM, ServiceConfig
 from specdec.tokenizer import load_tokenizer
 from target_worker.worker import TargetWorker
 
@@ -51,7 +51,8 @@ class LocalSchedulerFactory:
 
 
 class GrpcSchedulerFactory:
-    """Drives workers already serving at target_address / draft_address (None: no draft)."""
+    """Drives workers already serving at target_address / draft_address. Without a draft address
+    the n-gram drafter (if configured) runs here, in the coordinator: it needs no worker."""
 
     def __init__(self, config: ServiceConfig, target_address: str, draft_address: str | None,
                  connect_timeout_s: float = 60.0):
@@ -64,6 +65,8 @@ class GrpcSchedulerFactory:
         self.wire = {"target": self.target_client.wire}
         if self.draft_client is not None:
             self.wire["draft"] = self.draft_client.wire
+        self.local_draft = DraftWorker.from_config(config.draft) if not draft_address and config.draft.kind == NGRAM \
+            else None
 
     def _clients(self) -> list:
         return [c for c in (self.target_client, self.draft_client) if c is not None]
@@ -72,7 +75,7 @@ class GrpcSchedulerFactory:
         try:
             for client in self._clients():
                 client.wait_ready(self.connect_timeout_s)
-            return build_scheduler(self.config, self.target_client, self.draft_client, "grpc")
+            return build_scheduler(self.config, self.target_client, self.draft_client or self.local_draft, "grpc")
         except BaseException:
             self.close()
             raise
@@ -80,3 +83,19 @@ class GrpcSchedulerFactory:
     def close(self) -> None:
         for client in self._clients():
             client.close()
+
+
+class LocalReplicaLauncher:
+    """Autoscaling without Ray (coordinator.router.ReplicaLauncher): a replica added is one more
+    set of workers in this process; removing it drops them with its scheduler."""
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.factories: dict[int, LocalSchedulerFactory] = {}
+
+    def add(self, index: int) -> LocalSchedulerFactory:
+        self.factories[index] = LocalSchedulerFactory(self.config)
+        return self.factories[index]
+
+    def remove(self, index: int) -> None:
+        self.factories.pop(index, None)

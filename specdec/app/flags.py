@@ -17,13 +17,15 @@ from specdec.config import REPO_ROOT, ServiceConfig, describe, parse_setting
 # Groups of `specdec serve` settings, in the order --help and the README list them.
 SERVE_SETTINGS = {
     "models": ("target", "draft", "num_speculative_tokens", "adaptive", "device", "dtype", "max_batch_size",
-               "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "target_threads", "draft_threads",
-               "max_q_entries", "ngram_max", "ngram_min", "ngram_window"),
+               "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "kv_memory_fraction", "target_threads",
+               "draft_threads", "max_q_entries", "ngram_max", "ngram_min", "ngram_window"),
     "network": ("host", "port", "http_port", "tls_cert", "tls_key", "auth_token", "grace_period",
                 "max_concurrent_rpcs"),
     "ray": ("ray", "ray_address", "dashboard_host", "dashboard_port", "name", "worker_host", "worker_cpus",
             "max_restarts", "worker_wait", "target_worker_port", "draft_worker_port"),
     "worker failures": ("worker_round_timeout", "worker_recovery_timeout"),
+    "replicas": ("replicas", "min_replicas", "max_replicas", "draft_replicas", "draft_placement",
+                 "scale_up_queue", "scale_window", "scale_down_idle"),
 }
 # Other spellings of a setting's flag: short ones, and the name OpenAI clients know the token by.
 FLAG_ALIASES = {"num_speculative_tokens": "-k", "auth_token": "--api-key"}

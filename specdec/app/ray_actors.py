@@ -13,15 +13,17 @@
 Per-round traffic never goes through Ray actor calls (~4 ms each here, see DESIGN.md): the only
 actor calls are start-up (`ready`, `address`) and shutdown (`drain_and_stop`, `stop`).
 
-`launch(config)` starts all three and returns a `Deployment`; `specdec serve` and the tests use it.
-Actors are named (`<prefix>-target`, `<prefix>-draft`, `<prefix>-coordinator`) in the `specdec`
-namespace and are restarted by Ray if their process dies (`max_restarts`; `max_task_retries=0`,
-since a replayed start-up or shutdown call is never wanted). Worker ports are chosen before the
+`launch(config)` starts every replica's workers (specdec.app.ray_replicas: one placement group per
+replica) and the coordinator, and returns a `Deployment`; `specdec serve` and the tests use it.
+Actors are named (`<prefix>-target`, `<prefix>-draft`, `<prefix>-coordinator`; replica i > 0:
+`<prefix>-target-<i>`, `<prefix>-draft-<i>`) in the `specdec` namespace and are restarted by Ray
+if their process dies (`max_restarts`; `max_task_retries=0`, since a replayed start-up or
+shutdown call is never wanted). Worker ports are chosen before the
 actor starts and passed in, so that a restarted worker reloads its model and comes back on the
 same port; the coordinator's clients reconnect to it on their next round (and ask the actor for
 its address after a failure, in case Ray restarted it on another node). Requests in flight when
-a worker dies end with UNAVAILABLE ("target worker unavailable (restarting?): ..."); requests
-after its recovery succeed.
+a worker dies pause and resume once it is back (coordinator.scheduler); only a worker Ray will not
+restart fails them.
 
 Placement (see k8s/README.md, "What the actor code must match"):
 - Custom resources are requested only when the cluster has them: the coordinator asks for
@@ -131,7 +133,8 @@ class _WorkerActorBase:
         """Called once after start-up: raises if the constructor failed; returns what is served."""
         info = self.worker.info()
         return {"kind": self.kind, "address": self._address, "pid": os.getpid(),
-                "node_ip": ray.util.get_node_ip_address(), "info": asdict(info)}
+                "node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "info": asdict(info)}
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.server.stop(grace_s).wait()
@@ -165,30 +168,42 @@ class CoordinatorActor:
 
     Threaded (max_concurrency 4) so metrics_snapshot() answers while drain_and_stop() waits."""
 
-    def __init__(self, config: ServiceConfig, target_address: str, draft_address: str | None,
-                 worker_actor_names: dict[str, str | None], namespace: str = NAMESPACE):
+    def __init__(self, config: ServiceConfig, replicas: list[dict], namespace: str = NAMESPACE):
+        """`replicas`: each replica's worker addresses and actor names (ReplicaActors.spec())."""
         from coordinator.metrics import RoundMetrics
         from coordinator.server import GenerationServer
         from coordinator.server_thread import ServerThread
-        from specdec.app.embedded import GrpcSchedulerFactory
+        from specdec.app.ray_replicas import RayReplicaLauncher
 
-        factory = GrpcSchedulerFactory(config, target_address, draft_address)
-        self.metrics = RoundMetrics(config.ray.name, wire=factory.wire)
-        self.handle = ServerThread(GenerationServer(factory, factory.tokenizer, config.server, self.metrics))
+        self.namespace = namespace
+        self.config = config
+        self.wire = WireSum()
+        factories = [self._factory(spec) for spec in replicas]
+        self.launcher = RayReplicaLauncher(config, replicas, self._factory) if config.replicas.autoscaling else None
+        self.metrics = RoundMetrics(config.ray.name, wire=self.wire.counters)
+        self.handle = ServerThread(GenerationServer(factories, factories[0].tokenizer, config.server, self.metrics,
+                                                    launcher=self.launcher, replica_config=config.replicas))
         try:
             self.port = self.handle.start(wait_ready=True)  # raises if the workers cannot be reached
         except BaseException:
             self.handle.stop(0)
             raise
         self._address = advertised(config.server.host, self.port)
-        # After a worker failure the clients ask its actor where it serves now (Ray may restart it
-        # on another node); never on the round path. A worker that hangs past the round deadline
-        # is killed through Ray, which restarts it: a stopped process would never come back.
-        for role, client in (("target", factory.target_client), ("draft", factory.draft_client)):
-            name = worker_actor_names.get(role)
+
+    def _factory(self, spec: dict):
+        """A replica's scheduler factory. After a worker failure its clients ask the worker's actor
+        where it serves now (Ray may restart it on another node); never on the round path. A worker
+        that hangs past the round deadline is killed through Ray, which restarts it: a stopped
+        process would never come back."""
+        from specdec.app.embedded import GrpcSchedulerFactory
+
+        factory = GrpcSchedulerFactory(self.config, spec["target_address"], spec["draft_address"])
+        self.wire.add(factory.wire)
+        for client, name in ((factory.target_client, spec["target_name"]), (factory.draft_client, spec["draft_name"])):
             if client is not None and name:
-                client.resolve_address = _address_resolver(name, namespace)
-                client.on_hang = _restarter(name, namespace)
+                client.resolve_address = _address_resolver(name, self.namespace)
+                client.on_hang = _restarter(name, self.namespace)
+        return factory
 
     def ready(self) -> dict:
         return {"kind": "coordinator", "address": self._address, "port": self.port,
@@ -203,10 +218,40 @@ class CoordinatorActor:
 
     def drain_and_stop(self, grace_s: float | None = None) -> dict:
         """Stop accepting requests, let in-flight ones finish (up to grace_s; default: the
-        config's grace_period), stop the server."""
+        config's grace_period), stop the server and the replicas autoscaling added."""
         self.handle.stop(grace_s)
         self.metrics.close()
+        if self.launcher is not None:
+            self.launcher.stop_all()
         return self.metrics.snapshot()
+
+    def replica_count(self) -> int:
+        """Replicas routed to now (autoscaling changes it)."""
+        return len(self.handle.server.scheduler.replicas)
+
+
+class WireSum:
+    """Bytes on the wire per worker role, summed over every replica's gRPC clients (the metrics
+    read `bytes_sent` / `bytes_received` of one counter per role)."""
+
+    class _Sum:
+        def __init__(self):
+            self.parts: list = []
+
+        @property
+        def bytes_sent(self) -> int:
+            return sum(p.bytes_sent for p in self.parts)
+
+        @property
+        def bytes_received(self) -> int:
+            return sum(p.bytes_received for p in self.parts)
+
+    def __init__(self):
+        self.counters: dict[str, WireSum._Sum] = {}
+
+    def add(self, wire: dict) -> None:
+        for role, counter in wire.items():
+            self.counters.setdefault(role, self._Sum()).parts.append(counter)
 
 
 def _restarter(actor_name: str, namespace: str):
@@ -234,21 +279,35 @@ def _address_resolver(actor_name: str, namespace: str, timeout_s: float = 1.0):
 
 @dataclass
 class Deployment:
-    """Handles to a running deployment (what `launch` returns)."""
+    """Handles to a running deployment (what `launch` returns). `target` / `draft` and their
+    addresses are replica 0's; `replicas` has them all (specdec.app.ray_replicas.ReplicaActors)."""
 
     coordinator: ray.actor.ActorHandle
-    target: ray.actor.ActorHandle
-    draft: ray.actor.ActorHandle | None
+    replicas: list
     address: str  # the public address clients dial
     port: int
     http_port: int | None  # the OpenAI-compatible HTTP API's port on the coordinator's node; None: off
-    target_address: str
-    draft_address: str | None
     startup_seconds: float = 0.0
     info: dict = field(default_factory=dict)
 
+    @property
+    def target(self) -> ray.actor.ActorHandle:
+        return self.replicas[0].target
+
+    @property
+    def draft(self) -> ray.actor.ActorHandle | None:
+        return self.replicas[0].draft
+
+    @property
+    def target_address(self) -> str:
+        return self.replicas[0].target_address
+
+    @property
+    def draft_address(self) -> str | None:
+        return self.replicas[0].draft_address
+
     def actors(self) -> list:
-        return [a for a in (self.coordinator, self.draft, self.target) if a is not None]
+        return [self.coordinator] + [a for r in self.replicas for a in r.actors()]
 
     def drain_and_stop(self, grace_s: float, timeout_s: float | None = None) -> dict | None:
         """Drain the public server, stop the workers' gRPC servers, then kill all actors."""
@@ -258,7 +317,7 @@ class Deployment:
                                timeout=timeout_s if timeout_s is not None else grace_s + 15)
         except Exception as e:  # noqa: BLE001 - still tear the rest down
             log.warning("coordinator did not drain cleanly: %s", e)
-        workers = [a for a in (self.draft, self.target) if a is not None]
+        workers = [a for r in self.replicas for a in r.actors()]
         try:
             ray.get([a.stop.remote(1.0) for a in workers], timeout=10)
         except Exception as e:  # noqa: BLE001
@@ -267,22 +326,14 @@ class Deployment:
         return snapshot
 
     def kill(self) -> None:
-        for actor in self.actors():
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        from specdec.app.ray_replicas import stop_replica
 
-
-def _resources(device: str, gpus: float | None, cpus: float, custom: str | None = None,
-               cluster: dict | None = None) -> dict:
-    """Ray options for a worker actor; `custom` is asked for only if the cluster has it."""
-    opts = {"num_cpus": cpus}
-    if device.startswith("cuda"):
-        opts["num_gpus"] = 1 if gpus is None else gpus
-    if custom and (cluster or {}).get(custom, 0) >= 1:
-        opts["resources"] = {custom: 1}
-    return opts
+        for replica in self.replicas:
+            stop_replica(replica)
+        try:
+            ray.kill(self.coordinator, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def _coordinator_placement(cluster: dict) -> dict:
@@ -296,7 +347,8 @@ def _coordinator_placement(cluster: dict) -> dict:
 
 def launch(config: ServiceConfig, *, target_gpus: float | None = None, draft_gpus: float | None = None,
            pin_coordinator: bool = True, timeout_s: float = 600.0) -> Deployment:
-    """Start target (+ draft) worker actors and the coordinator actor; wait until all are ready.
+    """Start every replica's worker actors (specdec.app.ray_replicas) and the coordinator actor;
+    wait until all are ready.
 
     The coordinator (the public port) is pinned to the caller's node unless pin_coordinator is
     False, so `specdec serve` on the head node opens the public port there (with
@@ -306,53 +358,42 @@ def launch(config: ServiceConfig, *, target_gpus: float | None = None, draft_gpu
     cluster has them; `*_gpus` None means one GPU per worker on CUDA.
     Raises RuntimeError with the failing actor's error if start-up fails (all actors are killed).
     """
+    from specdec.app.ray_replicas import start_replica, stop_replica, wait_replica
+
     t0 = time.perf_counter()
-    ray_config, name = config.ray, config.ray.name
-    worker_host = ray_config.worker_host or "127.0.0.1"
     cluster = ray.cluster_resources()
-    common = dict(namespace=NAMESPACE, max_restarts=ray_config.max_restarts, max_task_retries=0,
-                  lifetime="non_detached")
-    started = []
+    replicas, coordinator = [], None
     try:
-        target_actor = TargetWorkerActor.options(
-            name=f"{name}-target", **common,
-            **_resources(config.target.device, target_gpus, ray_config.worker_cpus, TARGET_RESOURCE, cluster),
-        ).remote(config.target, worker_host, worker_port(worker_host, ray_config.target_worker_port))
-        started.append(target_actor)
-        draft_actor = None
-        if config.draft.kind != "none":
-            draft_actor = DraftWorkerActor.options(
-                name=f"{name}-draft", **common,
-                **_resources(config.draft.device if config.draft.kind == "model" else "cpu", draft_gpus,
-                             ray_config.worker_cpus, DRAFT_RESOURCE, cluster),
-            ).remote(config.draft, worker_host, worker_port(worker_host, ray_config.draft_worker_port))
-            started.append(draft_actor)
-        # Both load their models concurrently; a constructor error surfaces here.
-        infos = ray.get([a.ready.remote() for a in started], timeout=timeout_s)
-        target_info = infos[0]
-        draft_info = infos[1] if draft_actor is not None else None
+        for index in range(config.replicas.count):
+            owner = config.replicas.draft_of(index)
+            shared = replicas[owner] if config.draft.kind == "model" and owner != index else None
+            replicas.append(start_replica(config, index, cluster, target_gpus=target_gpus, draft_gpus=draft_gpus,
+                                          shared_draft=shared))
+        # All load their models concurrently; a constructor error surfaces here.
+        for replica in replicas:
+            wait_replica(replica, timeout_s, replicas[config.replicas.draft_of(replica.index)]
+                         if replica.draft is None and replica.draft_name else None)
         placement = _coordinator_placement(cluster) if pin_coordinator else {}
-        worker_names = {"target": f"{name}-target", "draft": f"{name}-draft" if draft_actor else None}
         coordinator = CoordinatorActor.options(
-            name=f"{name}-coordinator", num_cpus=0, **common, **placement,
-        ).remote(config, target_info["address"], draft_info["address"] if draft_info else None, worker_names)
-        started.append(coordinator)
+            name=f"{config.ray.name}-coordinator", num_cpus=0, namespace=NAMESPACE,
+            max_restarts=config.ray.max_restarts, max_task_retries=0, lifetime="non_detached", **placement,
+        ).remote(config, [r.spec() for r in replicas])
         coord_info = ray.get(coordinator.ready.remote(), timeout=timeout_s)
     except BaseException as e:
-        for actor in started:
+        for replica in replicas:
+            stop_replica(replica)
+        if coordinator is not None:
             try:
-                ray.kill(actor, no_restart=True)
+                ray.kill(coordinator, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise RuntimeError(_explain_start_error(e)) from e
-    return Deployment(coordinator=coordinator, target=target_actor, draft=draft_actor,
-                      address=coord_info["address"], port=coord_info["port"], http_port=coord_info["http_port"],
-                      target_address=target_info["address"],
-                      draft_address=draft_info["address"] if draft_info else None,
+    return Deployment(coordinator=coordinator, replicas=replicas, address=coord_info["address"],
+                      port=coord_info["port"], http_port=coord_info["http_port"],
                       startup_seconds=time.perf_counter() - t0,
-                      info={"target": target_info, "draft": draft_info, "coordinator": coord_info})
+                      info={"target": replicas[0].info, "coordinator": coord_info})
 
 
 def _explain_start_error(e: BaseException) -> str:

@@ -33,6 +33,7 @@ NOT_SERVING.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -179,14 +180,24 @@ def _describe(config: ServiceConfig) -> str:
 # --- the two ways to serve ---------------------------------------------------------------------
 
 
+def kv_summary(target_info, replicas: int) -> str:
+    """The start-up line on KV-cache capacity (TargetInfo, or its dict from a worker actor)."""
+    info = target_info if isinstance(target_info, dict) else dataclasses.asdict(target_info)
+    blocks, size = info["kv_blocks_total"], info["kv_block_size"]
+    each = " each" if replicas > 1 else ""
+    return (f"specdec KV cache: {blocks} blocks of {size} tokens{each}, at most {blocks * size} tokens of "
+            f"concurrent context per target replica ({replicas} replica{'s' if replicas > 1 else ''})")
+
+
 def _serve_in_process(config: ServiceConfig, signals: _Signals) -> int:
     from coordinator.metrics import RoundMetrics
     from coordinator.server import GenerationServer
     from coordinator.server_thread import ServerThread
-    from specdec.app.embedded import LocalSchedulerFactory
+    from specdec.app.embedded import LocalReplicaLauncher, LocalSchedulerFactory
 
-    factory = LocalSchedulerFactory(config)
-    server = GenerationServer(factory, factory.tokenizer, config.server, RoundMetrics(config.ray.name))
+    factories = [LocalSchedulerFactory(config) for _ in range(config.replicas.count)]
+    server = GenerationServer(factories, factories[0].tokenizer, config.server, RoundMetrics(config.ray.name),
+                              launcher=LocalReplicaLauncher(config), replica_config=config.replicas)
     handle = ServerThread(server)
     try:
         port = handle.start(wait_ready=True)
@@ -195,6 +206,7 @@ def _serve_in_process(config: ServiceConfig, signals: _Signals) -> int:
         raise ServeError(f"could not start: {e}") from e
     http = _http_note(config, handle.http_port)
     _say(f"specdec serving {_describe(config)} on {config.server.host}:{port} (gRPC){http} (in-process, no Ray)")
+    _say(kv_summary(factories[0].target_worker.info(), config.replicas.count))
     signals.wait()
     _say(f"specdec: {signals.received}, draining (grace {config.server.grace_period:g}s)")
     handle.stop()
@@ -300,6 +312,7 @@ def _serve_with_ray(config: ServiceConfig, quiet: bool, signals: _Signals) -> in
         _say(f"specdec serving {_describe(config)} on {where}{extra} "
              f"(ready in {time.perf_counter() - t0:.1f}s; workers: target {deployment.target_address}"
              f"{', draft ' + deployment.draft_address if deployment.draft_address else ''})")
+        _say(kv_summary(deployment.replicas[0].info["info"], config.replicas.count))
         if metrics_url:
             _say(f"specdec metrics (Prometheus, ray_specdec_*) at {metrics_url}")
         signals.wait()

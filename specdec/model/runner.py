@@ -12,21 +12,34 @@ from specdec.model.decoder import Model, load_model
 DEFAULT_FULL_SEQUENCES = 32
 
 
+def bytes_per_block(model: Model, block_size: int) -> int:
+    """Memory of one KV-cache block: keys and values of `block_size` tokens in every layer."""
+    c = model.config
+    return (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
+            * model.weights.embed.element_size())
+
+
 def default_num_blocks(model: Model, block_size: int, max_cache_bytes: int) -> int:
     """Room for DEFAULT_FULL_SEQUENCES sequences of the full context, capped by a memory budget
     (the cache is allocated up front, so an oversized default costs real memory)."""
-    c = model.config
-    bytes_per_block = (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
-                       * model.weights.embed.element_size())
-    wanted = DEFAULT_FULL_SEQUENCES * blocks_for_tokens(c.max_position_embeddings, block_size)
-    return max(1, min(wanted, max_cache_bytes // bytes_per_block))
+    wanted = DEFAULT_FULL_SEQUENCES * blocks_for_tokens(model.config.max_position_embeddings, block_size)
+    return max(1, min(wanted, max_cache_bytes // bytes_per_block(model, block_size)))
+
+
+def accelerator_num_blocks(model: Model, block_size: int, memory_fraction: float) -> int:
+    """As many blocks as `memory_fraction` of the accelerator memory still free after the weights
+    holds: the cache is the one thing that grows with load, so it gets what the weights leave."""
+    free_bytes, _total = torch.cuda.mem_get_info(model.weights.embed.device)
+    return max(1, int(free_bytes * memory_fraction) // bytes_per_block(model, block_size))
 
 
 class ModelRunner:
     def __init__(self, model: Model, config: WorkerConfig):
         self.model = model
         num_blocks = config.kv_cache_blocks
-        if num_blocks is None:
+        if num_blocks is None and model.weights.embed.device.type == "cuda":
+            num_blocks = accelerator_num_blocks(model, config.kv_block_size, config.kv_memory_fraction)
+        elif num_blocks is None:
             num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)
         self.forward_passes = 0

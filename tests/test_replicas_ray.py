@@ -1,0 +1,160 @@
+"""Replicas on a local multi-node Ray cluster (ray.cluster_utils.Cluster): a head node that carries
+`specdec_coordinator` and worker nodes that carry `specdec_target` / `specdec_draft`, as the
+KubeRay manifests lay them out (one per pod), so each replica's placement group lands on a node of
+its own.
+
+- Isolation: two replicas serve many streams (greedy and seeded sampled); one replica's target
+  actor is SIGKILLed mid-stream. Every stream ends with the output of an uninterrupted run, no KV
+  block stays in use on either replica, and the killed replica serves again once Ray restarted it.
+- Autoscaling: one replica, max two; requests pile up, the coordinator adds a replica (its
+  placement group takes the second node); when the load stops it drains and removes it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from specdec import LocalEngine, ServiceConfig  # noqa: E402
+from specdec.client import GenerationClient  # noqa: E402
+from specdec.params import SamplingParams  # noqa: E402
+
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))] * 4
+PARAMS = [SamplingParams(max_new_tokens=60, ignore_eos=True) if i % 2 == 0 else
+          SamplingParams(max_new_tokens=60, temperature=0.9, seed=500 + i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = build_checkpoint(tmp_path_factory.mktemp("ray-replica-target"), seed=0, initializer_range=0.1,
+                              max_position_embeddings=512, **CONFIGS["gqa_untied"])
+    draft = perturbed_copy(target, tmp_path_factory.mktemp("ray-replica-draft"), noise=0.2)
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"specdec_coordinator": 1}, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1, resources={"specdec_target": 1, "specdec_draft": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="specdec", logging_level="WARNING", runtime_env={"env_vars": env})
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def config_for(models, name: str, **settings) -> ServiceConfig:
+    return ServiceConfig.from_settings(
+        target=models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, kv_cache_blocks=128,
+        kv_block_size=8, host="127.0.0.1", port=0, http_port=0, name=name, worker_cpus=0.5, max_restarts=-1,
+        worker_round_timeout=5.0, worker_recovery_timeout=120.0, **settings)
+
+
+def stream_all(port: int, prompts, params, on_first_tokens=None) -> list[list[int]]:
+    def one(i):
+        with GenerationClient(f"127.0.0.1:{port}") as client:
+            p = params[i]
+            tokens = []
+            for chunk in client.generate_stream(prompts[i], max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                                                seed=p.seed, ignore_eos=True, timeout=240):
+                tokens += chunk.token_ids
+                if on_first_tokens is not None and len(tokens) >= 8:
+                    on_first_tokens()
+            return tokens
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def snapshot(deployment) -> dict:
+    return ray.get(deployment.coordinator.metrics_snapshot.remote(), timeout=30)
+
+
+@pytest.mark.timeout(400)
+def test_killing_one_replicas_target_leaves_the_other_untouched_and_every_stream_exact(cluster, models):
+    from specdec.app.ray_actors import launch
+
+    config = config_for(models, "specdec-iso", replicas=2)
+    engine = LocalEngine(config=dataclasses.replace(config, ray=dataclasses.replace(config.ray, enabled=False)))
+    want = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    deployment = launch(config)
+    try:
+        nodes = {r.info["node_id"] for r in deployment.replicas}
+        assert len(deployment.replicas) == 2 and len(nodes) == 2  # a node each (their placement groups)
+        victim = deployment.replicas[1]
+        pid = ray.get(victim.target.pid.remote(), timeout=30)
+        killed, lock = [], threading.Lock()
+
+        def kill_once():
+            with lock:
+                if not killed:
+                    killed.append(pid)
+                    os.kill(pid, 9)
+
+        got = stream_all(deployment.port, PROMPTS, PARAMS, on_first_tokens=kill_once)
+        assert killed and got == want
+        snap = snapshot(deployment)
+        assert set(snap["replicas"]) == {0, 1} and snap["resumed"].get("target", 0) >= 1, snap
+        assert ray.get(victim.target.pid.remote(), timeout=60) != pid  # Ray restarted it
+        # The restarted replica takes requests again and finishes them.
+        before = snapshot(deployment)["replicas"][1]["rounds"]
+        assert stream_all(deployment.port, PROMPTS[:4], PARAMS[:4]) == want[:4]
+        deadline = time.monotonic() + 30
+        while True:
+            replicas = snapshot(deployment)["replicas"]
+            if all(r["kv_blocks_used"] == 0 and r["running"] == 0 for r in replicas.values()):
+                break
+            assert time.monotonic() < deadline, f"KV blocks still in use: {replicas}"
+            time.sleep(0.2)
+        assert replicas[1]["rounds"] > before
+    finally:
+        deployment.drain_and_stop(grace_s=1, timeout_s=30)
+
+
+@pytest.mark.timeout(400)
+def test_autoscaling_adds_a_replica_on_the_second_node_under_load_and_removes_it_when_idle(cluster, models):
+    from specdec.app.ray_actors import launch
+
+    config = config_for(models, "specdec-scale", replicas=1, max_replicas=2, max_batch_size=2, scale_up_queue=0,
+                        scale_window=1.0, scale_down_idle=3.0)
+    deployment = launch(config)
+    try:
+        count = lambda: ray.get(deployment.coordinator.replica_count.remote(), timeout=30)  # noqa: E731
+        assert count() == 1
+        long = [SamplingParams(max_new_tokens=200, ignore_eos=True)] * 8
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            load = pool.submit(stream_all, deployment.port, PROMPTS[:8], long)
+            deadline = time.monotonic() + 120
+            while count() < 2:
+                assert time.monotonic() < deadline, "no replica was added while requests waited"
+                time.sleep(0.5)
+            added = ray.get_actor("specdec-scale-target-1", namespace="specdec")
+            assert ray.get(added.ready.remote(), timeout=60)["node_ip"]
+            assert all(len(tokens) == 200 for tokens in load.result(timeout=240))
+        deadline = time.monotonic() + 120
+        while count() > 1:
+            assert time.monotonic() < deadline, "the idle replica was never removed"
+            time.sleep(0.5)
+        with pytest.raises(ValueError):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # its actor goes with it
+                ray.get_actor("specdec-scale-target-1", namespace="specdec")
+                time.sleep(0.5)
+    finally:
+        deployment.drain_and_stop(grace_s=1, timeout_s=30)

@@ -48,7 +48,7 @@ from specdec.config import ConfigError, ServiceConfig
 
 # The settings of the embedded server this command can change (the rest keep their defaults).
 EMBEDDED_SETTINGS = ("target", "draft", "adaptive", "device", "dtype", "max_batch_size", "kv_cache_blocks",
-                     "kv_block_size")
+                     "kv_block_size", "target_threads", "draft_threads")
 
 WORDS = ("the quick brown fox jumps over the lazy dog speculative decoding drafts tokens and the target "
          "verifies them hello world stream text back to client").split()
@@ -625,6 +625,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run a local Ray deployment and SIGKILL a random worker every SECONDS during the load; "
                         "then replay every completed stream uninterrupted and count different outputs "
                         "(uses the embedded-server settings; streams alternate greedy / sampled)")
+    c.add_argument("--replicas-sweep", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                   metavar="N1,N2,...", help="run the load against a local Ray deployment with each number of "
+                                             "target replicas in turn and print throughput ratios and latency "
+                                             "(see specdec/app/replica_sweep.py)")
     c.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                    help="closed loop: --streams clients each send request after request for SECONDS "
                         "(default with --chaos: 60)")
@@ -652,6 +656,9 @@ def _bad_args(args) -> str | None:
         return "--grpc-workers needs --embedded"
     if args.chaos is not None and (args.chaos <= 0 or args.embedded):
         return "--chaos needs a positive number of seconds, and runs its own deployment (no --embedded)"
+    if args.replicas_sweep is not None and (args.embedded or args.chaos is not None
+                                            or not all(n >= 1 for n in args.replicas_sweep)):
+        return "--replicas-sweep takes positive counts and runs its own deployments (no --embedded, --chaos)"
     if args.duration is not None and args.duration <= 0:
         return "--duration must be > 0"
     if args.verify_sample < 0:
@@ -667,6 +674,13 @@ def run(args: argparse.Namespace) -> int:
     load = load_from_args(args)
     chaos = None
     try:
+        if args.replicas_sweep is not None:
+            from specdec.app.replica_sweep import format_sweep, run_replica_sweep
+
+            config = ServiceConfig.from_settings(**given_settings(args, EMBEDDED_SETTINGS))
+            results = run_replica_sweep(config, load, args.replicas_sweep)
+            print(format_sweep(results))
+            return 0 if all(r.ok for _, r in results) else 1
         if args.chaos is not None:
             from specdec.app.chaos import format_chaos, run_chaos
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Mapping, Sequence
 
 from coordinator.request import Request
-from specdec import wire
 from specdec.bounded_tokenize import PromptTooLong
 from specdec.params import SamplingParams
 from specdec.tokenizer import encode_prompt, render_chat

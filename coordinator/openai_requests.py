@@ -11,6 +11,7 @@ max_tokens 64 (the gRPC API's default, for completions and chat alike); temperat
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -80,7 +81,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    prompt_field = "prompt"  # the field tokenizing errors name
+    prompt_field: ClassVar[str] = "prompt"  # the field tokenizing errors name
 
     def prompt_input(self) -> tuple[str | list[int], None]:
         """(prompt, messages) for TokenizerPool.prompt_ids."""
@@ -114,7 +115,7 @@ class ChatMessageIn(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    prompt_field = "messages"
+    prompt_field: ClassVar[str] = "messages"
 
     def prompt_input(self) -> tuple[None, list[dict]]:
         """(prompt, messages) for TokenizerPool.prompt_ids."""

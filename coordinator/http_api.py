@@ -166,6 +166,8 @@ class HttpApi:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise OpenAIError(400, "the request body is not valid JSON for this server: nested too deeply") from None
 
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:

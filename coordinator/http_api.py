@@ -24,7 +24,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import PurePath
 
 from fastapi import FastAPI, Request
@@ -83,9 +83,10 @@ class HttpApi:
 
     def __init__(self, scheduler: SchedulerThread, tokenizers: TokenizerPool, limits: RequestLimits,
                  gate: RequestGate, metrics: PrometheusMetrics, auth_token: str | None = None,
-                 warnings: Sequence[str] = ()):
+                 warnings: Sequence[str] = (), on_size: Callable[[int], None] | None = None):
         self.scheduler, self.tokenizers, self.gate, self.metrics = scheduler, tokenizers, gate, metrics
         self.limits = limits
+        self.on_size = on_size  # told every request body's size (coordinator.heap_trim)
         self.warnings = list(warnings)  # unsafe exposure (ServerConfig.exposure_warnings), shown on /health
         self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
         self._ids = itertools.count()
@@ -162,6 +163,8 @@ class HttpApi:
             body += chunk
             if len(body) > limit:
                 raise OpenAIError(413, self.limits.too_large(len(body)) + " (or more)", code="request_too_large")
+        if self.on_size is not None:
+            self.on_size(len(body))
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:

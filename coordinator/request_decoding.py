@@ -5,10 +5,12 @@ servicer is registered here with a deserializer that never raises: bytes that ar
 GenerateRequest (corrupt protobuf, invalid UTF-8 in a string field) decode to a MalformedRequest,
 which the servicer answers with INVALID_ARGUMENT and the reason. Requests larger than
 ServerConfig.max_request_bytes never get here: the gRPC server's receive limit refuses them with
-RESOURCE_EXHAUSTED before reading them whole.
+RESOURCE_EXHAUSTED before reading them whole; a large one that passes is reported to the
+server's HeapTrimmer, so that its buffers go back to the operating system.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -37,10 +39,17 @@ def decode_generate_request(data: bytes) -> generation_pb2.GenerateRequest | Mal
         return MalformedRequest(f"the request is not a specdec.v1.GenerateRequest protobuf message: {detail}")
 
 
-def add_generation_servicer(servicer, server: grpc.aio.Server) -> None:
-    """generation_pb2_grpc.add_GenerationServicer_to_server, with decode_generate_request."""
+def add_generation_servicer(servicer, server: grpc.aio.Server, on_size: Callable[[int], None] | None = None) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server, with decode_generate_request;
+    `on_size(bytes)` is told every request's size (on the event loop)."""
+
+    def decode(data: bytes):
+        if on_size is not None:
+            on_size(len(data))
+        return decode_generate_request(data)
+
     handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
-        servicer.Generate, request_deserializer=decode_generate_request,
+        servicer.Generate, request_deserializer=decode,
         response_serializer=generation_pb2.GenerateResponse.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

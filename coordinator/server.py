@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.auth import HEALTH_SERVICE_NAME, BearerTokenInterceptor
+from coordinator.heap_trim import HeapTrimmer
 from coordinator.http_api import HttpApi
 from coordinator.http_server import HttpServer
 from coordinator.prometheus_metrics import PrometheusMetrics
@@ -50,6 +51,7 @@ class GenerationServer:
         self.metrics = PrometheusMetrics()
         self.gate = RequestGate(config.max_waiting_requests)
         self.limits = RequestLimits.from_config(config)
+        self.heap = HeapTrimmer()
         self.scheduler = SchedulerThread(scheduler_factory, on_round, record_round=self.metrics.on_round)
         self.servicer: GenerationServicer | None = None
         self.tokenizer = tokenizer  # the servers' own: used on the tokenizer pool's thread only
@@ -74,7 +76,8 @@ class GenerationServer:
                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         self.tokenizers = TokenizerPool(self.tokenizer)
         self.servicer = GenerationServicer(self.scheduler, self.tokenizers, self.limits, self.gate, self.metrics)
-        add_generation_servicer(self.servicer, server)
+        self.heap.bind(asyncio.get_running_loop())
+        add_generation_servicer(self.servicer, server, self.heap.after_request)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -91,7 +94,7 @@ class GenerationServer:
             raise RuntimeError(f"could not bind {config.address}")
         if config.http_enabled:
             api = HttpApi(self.scheduler, self.tokenizers, self.limits, self.gate, self.metrics, config.auth_token,
-                          warnings=config.exposure_warnings())
+                          warnings=config.exposure_warnings(), on_size=self.heap.after_request)
             http = HttpServer(api.app, config.host, config.http_port, config.tls_cert, config.tls_key)
             try:
                 self.http_port = await http.start()

@@ -30,7 +30,6 @@ import pytest
 from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
 from specdec import ServiceConfig
 from specdec.app.embedded import LocalSchedulerFactory
-from specdec.bounded_tokenize import PromptTooLong, encode_within
 from specdec.client import GenerationClient
 from specdec.config import SHIPPED_TARGET, ServerConfig
 from specdec.tokenizer import load_tokenizer
@@ -360,6 +359,8 @@ def test_http_body_over_the_limit_is_413_before_it_is_read(served):
 def test_prompt_far_over_a_long_context_is_refused_after_tokenizing_about_one_context():
     """Without the token-width bound (width None), counting in chunks stops soon after the
     context: refusing 4 MB of text for a 1024-token context costs what ~1024 tokens cost."""
+    from specdec.bounded_tokenize import PromptTooLong, encode_within
+
     tokenizer = load_tokenizer(SHIPPED_TARGET)
     text = text_of(LIMIT)
     start = time.perf_counter()

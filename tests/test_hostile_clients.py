@@ -31,14 +31,14 @@ from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
 from specdec import ServiceConfig
 from specdec.app.embedded import LocalSchedulerFactory
 from specdec.client import GenerationClient
-from specdec.config import SHIPPED_TARGET, ServerConfig
+from specdec.config import SHIPPED_TARGET
 from specdec.tokenizer import load_tokenizer
 from specdec.v1 import generation_pb2
 
 from checkpoints import CONFIGS, add_chat_template, build_checkpoint
 from test_server_e2e import KV, MAX_POS, save_tokenizer, slow_rounds, wait_until
 
-LIMIT = ServerConfig().max_request_bytes  # the default, 4 MiB
+LIMIT = 4 << 20  # ServerConfig.max_request_bytes by default
 MAX_WAITING = 4
 MAX_BATCH = 2
 NORMAL = dict(max_new_tokens=32)
@@ -75,7 +75,7 @@ def served(tmp_path_factory):
     add_chat_template(target)
     factory = LocalSchedulerFactory(ServiceConfig.from_settings(target=str(target), draft="ngram",
                                                                 max_batch_size=MAX_BATCH, **KV))
-    config = replace(LOOPBACK_SERVER, max_waiting_requests=MAX_WAITING)
+    config = replace(LOOPBACK_SERVER, max_waiting_requests=MAX_WAITING, max_request_bytes=LIMIT)
     with run_server_in_thread(factory, factory.tokenizer, config) as handle:
         address = f"127.0.0.1:{handle.port}"
         with GenerationClient(address) as client, grpc.insecure_channel(address) as channel:

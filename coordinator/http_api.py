@@ -3,9 +3,12 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
 Server-Sent Events with `"stream": true`, else one JSON body), GET /health, GET /metrics
 (Prometheus text). Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-400 for a bad request (naming the field), 401 without the bearer token when one is configured
-(everything but /health needs it), 404 for an unknown model or path, 503 while the model loads or
-the server drains. Request shapes and defaults: coordinator.openai_requests.
+400 for a bad request (naming the field; also a body that is not JSON or not UTF-8), 401 without
+the bearer token when one is configured (everything but /health needs it), 404 for an unknown
+model or path, 413 for a body over --max-request-bytes (refused on its Content-Length, else as
+soon as the bytes read pass the limit), 429 when --max-waiting-requests requests already wait to
+start, 503 while the model loads or the server drains. Prompts are tokenized on the tokenizer
+thread (coordinator.tokenizer_pool). Request shapes and defaults: coordinator.openai_requests.
 
 A streamed request's status is decided before its first byte: the handler waits for the first
 round's tokens, so a request the scheduler refuses (context length, KV blocks) still gets a 400.
@@ -21,7 +24,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import PurePath
 
 from fastapi import FastAPI, Request
@@ -32,9 +35,11 @@ from coordinator.openai_errors import OpenAIError, invalid
 from coordinator.openai_requests import ChatCompletionRequest, CompletionRequest, build_request, parse
 from coordinator.openai_responses import ResponseShape, usage
 from coordinator.prometheus_metrics import CONTENT_TYPE, PrometheusMetrics
-from coordinator.request_gate import RequestGate
+from coordinator.request_gate import QueueFull, RequestGate
+from coordinator.request_limits import RequestLimits
 from coordinator.request_stream import RequestFailed, stream_request
 from coordinator.scheduler_thread import SchedulerThread
+from coordinator.tokenizer_pool import TokenizerPool
 
 UNAUTHORIZED = OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <token>'",
                            code="invalid_api_key")
@@ -76,9 +81,12 @@ class EventStream(StreamingResponse):
 class HttpApi:
     """`app` is the ASGI application; GenerationServer serves it with coordinator.http_server."""
 
-    def __init__(self, scheduler: SchedulerThread, tokenizer, gate: RequestGate, metrics: PrometheusMetrics,
-                 auth_token: str | None = None, warnings: Sequence[str] = ()):
-        self.scheduler, self.tokenizer, self.gate, self.metrics = scheduler, tokenizer, gate, metrics
+    def __init__(self, scheduler: SchedulerThread, tokenizers: TokenizerPool, limits: RequestLimits,
+                 gate: RequestGate, metrics: PrometheusMetrics, auth_token: str | None = None,
+                 warnings: Sequence[str] = (), on_size: Callable[[int], None] | None = None):
+        self.scheduler, self.tokenizers, self.gate, self.metrics = scheduler, tokenizers, gate, metrics
+        self.limits = limits
+        self.on_size = on_size  # told every request body's size (coordinator.heap_trim)
         self.warnings = list(warnings)  # unsafe exposure (ServerConfig.exposure_warnings), shown on /health
         self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
         self._ids = itertools.count()
@@ -144,12 +152,25 @@ class HttpApi:
             raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {model!r}", "model",
                               "model_not_found")
 
-    @staticmethod
-    async def _json(request: Request):
+    async def _json(self, request: Request):
+        """The decoded JSON body; 413 as soon as it is known to be over max_request_bytes."""
+        limit = self.limits.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(413, self.limits.too_large(int(declared)), code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise OpenAIError(413, self.limits.too_large(len(body)) + " (or more)", code="request_too_large")
+        if self.on_size is not None:
+            self.on_size(len(body))
         try:
-            return json.loads(await request.body())
+            return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise OpenAIError(400, "the request body is not valid JSON for this server: nested too deeply") from None
 
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
@@ -190,9 +211,22 @@ class HttpApi:
         self._check_serving()
         parsed = parse(ChatCompletionRequest if chat else CompletionRequest, await self._json(request))
         self._check_model(parsed.model)
-        req = build_request(parsed, self.tokenizer, f"http-{self._prefix}-{next(self._ids)}")
+        try:
+            waiting = self.gate.wait_slot()
+        except QueueFull as e:
+            raise OpenAIError(429, str(e), code="rate_limit_exceeded", error_type="rate_limit_error") from None
+        try:
+            req = await self._unless_disconnected(request, build_request(
+                parsed, self.tokenizers, self.limits, f"http-{self._prefix}-{next(self._ids)}",
+                self.scheduler.max_seq_len))
+        except BaseException:
+            waiting.release()
+            raise
+        if req is None:
+            waiting.release()
+            return Response(status_code=499)
         shape = ResponseShape(chat, self.model_id)
-        updates = stream_request(self.scheduler, req, self.metrics)
+        updates = stream_request(self.scheduler, req, self.metrics, waiting)
         self.gate.enter()
         handed_over = False  # to the event stream, which then closes the updates and leaves the gate
         try:
@@ -212,6 +246,7 @@ class HttpApi:
         finally:
             if not handed_over:
                 await updates.aclose()  # aborts the request unless it finished
+                waiting.release()  # a no-op unless the updates were never started
                 self.gate.leave()
 
     @staticmethod

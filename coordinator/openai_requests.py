@@ -11,12 +11,15 @@ max_tokens 64 (the gRPC API's default, for completions and chat alike); temperat
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from coordinator.openai_errors import OpenAIError, invalid
 from coordinator.request import Request
-from coordinator.validation import new_request, prompt_ids
+from coordinator.request_limits import RequestLimits
+from coordinator.tokenizer_pool import TokenizerPool
+from coordinator.validation import new_request
 from specdec.params import SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; the gRPC API's is greedy
@@ -47,8 +50,12 @@ class _Sampling(BaseModel):
         """(the requested output length, the field that gave it)."""
         return self.max_tokens, "max_tokens"
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, limits: RequestLimits) -> SamplingParams:
         """Raises OpenAIError (400) naming the field."""
+        try:
+            limits.check_stops(self.stop)
+        except ValueError as e:
+            raise invalid(str(e), "stop") from None
         if self.n not in (None, 1):
             raise OpenAIError(400, f"n must be 1 (this server returns one choice per request), got {self.n}", "n")
         max_tokens, field = self.max_tokens_given()
@@ -74,16 +81,15 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    prompt_field: ClassVar[str] = "prompt"  # the field tokenizing errors name
 
-    def prompt_ids(self, tokenizer) -> list[int]:
+    def prompt_input(self) -> tuple[str | list[int], None]:
+        """(prompt, messages) for TokenizerPool.prompt_ids."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             raise OpenAIError(400, "prompt must be one string or one list of token ids: batches of prompts "
                                    "are not supported (send one request per prompt)", "prompt")
-        try:
-            return prompt_ids(tokenizer, prompt)
-        except ValueError as e:
-            raise invalid(str(e), "prompt") from None
+        return prompt, None
 
 
 class ChatMessageIn(BaseModel):
@@ -109,13 +115,11 @@ class ChatMessageIn(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    prompt_field: ClassVar[str] = "messages"
 
-    def prompt_ids(self, tokenizer) -> list[int]:
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
-        try:
-            return prompt_ids(tokenizer, messages=messages)
-        except ValueError as e:
-            raise invalid(str(e), "messages") from None
+    def prompt_input(self) -> tuple[None, list[dict]]:
+        """(prompt, messages) for TokenizerPool.prompt_ids."""
+        return None, [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
     def max_tokens_given(self) -> tuple[int | None, str]:
         """The newer name wins when both are given (OpenAI deprecates max_tokens for chat)."""
@@ -163,7 +167,14 @@ def _type_tag(part) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "none") or "[" in part)
 
 
-def build_request(parsed: CompletionRequest | ChatCompletionRequest, tokenizer, req_id: str) -> Request:
-    """The coordinator's Request; OpenAIError (400) names the bad field."""
-    params = parsed.sampling_params()
-    return new_request(req_id, parsed.prompt_ids(tokenizer), params)
+async def build_request(parsed: CompletionRequest | ChatCompletionRequest, tokenizers: TokenizerPool,
+                        limits: RequestLimits, req_id: str, max_tokens: int | None) -> Request:
+    """The coordinator's Request, its prompt tokenized on the tokenizer thread within `max_tokens`
+    (the context length; None while unknown); OpenAIError (400) names the bad field."""
+    params = parsed.sampling_params(limits)
+    prompt, messages = parsed.prompt_input()
+    try:
+        ids = await tokenizers.prompt_ids(prompt, messages, max_tokens)
+    except ValueError as e:
+        raise invalid(str(e), parsed.prompt_field) from None
+    return new_request(req_id, ids, params)

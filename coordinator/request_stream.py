@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from coordinator.prometheus_metrics import PrometheusMetrics
 from coordinator.request import Request
+from coordinator.request_gate import WaitingSlot
 from coordinator.round_report import RequestUpdate
 from coordinator.scheduler_thread import SchedulerThread, Sink
 
@@ -28,10 +29,11 @@ class RequestFailed(Exception):
         self.message = message
 
 
-async def stream_request(scheduler: SchedulerThread, request: Request,
-                         metrics: PrometheusMetrics | None = None) -> AsyncIterator[RequestUpdate]:
+async def stream_request(scheduler: SchedulerThread, request: Request, metrics: PrometheusMetrics | None = None,
+                         waiting: WaitingSlot | None = None) -> AsyncIterator[RequestUpdate]:
     """Yield the request's updates (the last one has `finished` set); raise RequestFailed instead
-    of yielding an update that reports a failure."""
+    of yielding an update that reports a failure. `waiting`: the request's slot at the gate, given
+    back with its first update (it has started) or when it ends."""
     updates: asyncio.Queue = asyncio.Queue()
     timer = metrics.time_request(len(request.prompt_ids)) if metrics is not None else None
     outcome = None  # how the request ended; None: the consumer stopped early
@@ -39,6 +41,8 @@ async def stream_request(scheduler: SchedulerThread, request: Request,
     try:
         while True:
             item = await updates.get()
+            if waiting is not None:
+                waiting.release()
             if isinstance(item, ValueError):
                 outcome = "rejected"
                 raise RequestFailed("invalid", str(item))
@@ -53,6 +57,8 @@ async def stream_request(scheduler: SchedulerThread, request: Request,
             if item.finished:
                 return
     finally:
+        if waiting is not None:
+            waiting.release()
         if outcome is None:  # client gone, deadline, server stop: free its blocks now
             scheduler.abort(request.req_id)
         if timer is not None:

@@ -184,6 +184,11 @@ class Router:
         return sum(r.thread.num_active for r in self.replicas)
 
     @property
+    def max_seq_len(self) -> int | None:
+        """The context every replica serves (they run one model pair); None until one is built."""
+        return next((r.thread.max_seq_len for r in self.replicas if r.thread.max_seq_len is not None), None)
+
+    @property
     def scheduler(self) -> Scheduler | None:
         """The first built replica's scheduler (for model facts and tests; not thread-safe)."""
         return next((r.thread.scheduler for r in self.replicas if r.thread.scheduler is not None), None)

@@ -98,6 +98,12 @@ class SchedulerThread:
         return None
 
     @property
+    def max_seq_len(self) -> int | None:
+        """The context length every request must fit; None until the scheduler is built."""
+        scheduler = self.scheduler
+        return scheduler.max_seq_len if scheduler is not None else None
+
+    @property
     def num_active(self) -> int:
         return len(self._sinks)
 

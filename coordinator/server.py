@@ -3,10 +3,12 @@
 It serves Generate (coordinator.servicer), grpc.health.v1 and server reflection on one grpc.aio
 server and, unless ServerConfig.http_port is 0, the OpenAI-compatible HTTP API (coordinator.http_api)
 with uvicorn on the same event loop (coordinator.http_server); both feed one Router (one
-SchedulerThread per target replica, coordinator.router) and pass one RequestGate. Health is
+SchedulerThread per target replica, coordinator.router) and pass one RequestGate (which bounds the
+requests waiting to start) and tokenize on one TokenizerPool thread; a request larger than
+ServerConfig.max_request_bytes is refused by either transport before it is read whole. Health is
 NOT_SERVING (HTTP /health: 503) until the schedulers are built, SERVING after, NOT_SERVING while no
-replica can serve (their target workers given up on) and while draining. Optional TLS (PEM paths) and an optional bearer
-token checked on every call but health, on both ports (ServerConfig). The server's Prometheus
+replica can serve (their target workers given up on) and while draining. Optional TLS (PEM
+paths) and an optional bearer token checked on every call but health, on both ports (ServerConfig). The server's Prometheus
 registry (coordinator.prometheus_metrics) is fed by every round and every request.
 """
 from __future__ import annotations
@@ -21,17 +23,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.auth import HEALTH_SERVICE_NAME, BearerTokenInterceptor
+from coordinator.heap_trim import HeapTrimmer
 from coordinator.http_api import HttpApi
 from coordinator.http_server import HttpServer
 from coordinator.prometheus_metrics import PrometheusMetrics
+from coordinator.request_decoding import add_generation_servicer
 from coordinator.request_gate import RequestGate
+from coordinator.request_limits import RequestLimits
 from coordinator.router import ReplicaLauncher, Router, SchedulerFactory
 from coordinator.scheduler import Scheduler
 from coordinator.scheduler_thread import OnRound
 from coordinator.servicer import GenerationServicer
+from coordinator.tokenizer_pool import TokenizerPool
 from specdec import wire
 from specdec.config import ReplicaConfig, ServerConfig
-from specdec.v1 import generation_pb2, generation_pb2_grpc
+from specdec.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +53,15 @@ class GenerationServer:
         `replica_config` turn on autoscaling (coordinator.router)."""
         self.config = config
         self.metrics = PrometheusMetrics()
-        self.gate = RequestGate()
+        self.gate = RequestGate(config.max_waiting_requests)
+        self.limits = RequestLimits.from_config(config)
+        self.heap = HeapTrimmer()
         factories = scheduler_factory if isinstance(scheduler_factory, list) else [scheduler_factory]
         self.scheduler = Router(factories, on_round, record_round=self.metrics.on_round, launcher=launcher,
                                 replica_config=replica_config)
         self.servicer: GenerationServicer | None = None
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the servers' own: used on the tokenizer pool's thread only
+        self.tokenizers: TokenizerPool | None = None
         self.port: int | None = None
         self.http_port: int | None = None  # None: the HTTP API is off
         self._http: HttpServer | None = None
@@ -67,10 +76,14 @@ class GenerationServer:
         port (`http_port` holds the HTTP one)."""
         config = self.config
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
-        server = grpc.aio.server(options=list(wire.GRPC_SERVER_OPTIONS), interceptors=interceptors,
+        options = [o for o in wire.GRPC_SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", config.max_request_bytes))
+        server = grpc.aio.server(options=options, interceptors=interceptors,
                                  maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-        self.servicer = GenerationServicer(self.scheduler, self.tokenizer, self.gate, self.metrics)
-        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        self.tokenizers = TokenizerPool(self.tokenizer)
+        self.servicer = GenerationServicer(self.scheduler, self.tokenizers, self.limits, self.gate, self.metrics)
+        self.heap.bind(asyncio.get_running_loop())
+        add_generation_servicer(self.servicer, server, self.heap.after_request)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -86,8 +99,8 @@ class GenerationServer:
         if port == 0:
             raise RuntimeError(f"could not bind {config.address}")
         if config.http_enabled:
-            api = HttpApi(self.scheduler, self.tokenizer, self.gate, self.metrics, config.auth_token,
-                          warnings=config.exposure_warnings())
+            api = HttpApi(self.scheduler, self.tokenizers, self.limits, self.gate, self.metrics, config.auth_token,
+                          warnings=config.exposure_warnings(), on_size=self.heap.after_request)
             http = HttpServer(api.app, config.host, config.http_port, config.tls_cert, config.tls_key)
             try:
                 self.http_port = await http.start()
@@ -159,6 +172,7 @@ class GenerationServer:
             log.warning("%d requests still running after %ss of grace: cancelling them", self.gate.in_flight, grace_s)
         await asyncio.gather(self._server.stop(0.5), *([self._http.stop()] if self._http else []))
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop, 30.0)
+        self.tokenizers.close()
         for task in (self._watch, self._follow):
             if task is not None:
                 task.cancel()

@@ -180,6 +180,13 @@ class ServerConfig:
                                            "but health")
     grace_period: float = setting(30.0, "seconds in-flight requests may take to finish when the server stops")
     max_concurrent_rpcs: int | None = setting(None, "public RPCs served at once; unset: no limit")
+    max_request_bytes: int = setting(4 << 20, "largest request accepted, in bytes: the gRPC message limit and "
+                                              "the HTTP body limit (larger: RESOURCE_EXHAUSTED / HTTP 413)")
+    max_stop_strings: int = setting(16, "stop strings one request may give")
+    max_stop_string_length: int = setting(256, "characters one stop string may have")
+    max_waiting_requests: int = setting(1024, "requests admitted but not yet started (queued, or being "
+                                              "tokenized) beyond which new ones are refused "
+                                              "(RESOURCE_EXHAUSTED / HTTP 429)")
 
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536, "server.port", "a port number", self.port)
@@ -189,6 +196,8 @@ class ServerConfig:
                "given together with tls_cert", self.tls_key)
         _check(self.grace_period >= 0, "server.grace_period", "a number of seconds >= 0", self.grace_period)
         _positive("server.max_concurrent_rpcs", self.max_concurrent_rpcs, optional=True)
+        for name in ("max_request_bytes", "max_stop_strings", "max_stop_string_length", "max_waiting_requests"):
+            _positive(f"server.{name}", getattr(self, name))
 
     @property
     def address(self) -> str:

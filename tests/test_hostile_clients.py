@@ -1,0 +1,373 @@
+"""Hostile clients against an embedded server (gRPC and HTTP on 127.0.0.1), measured, not only
+checked for a status: how fast a bad request is refused, how much server memory refusing it
+costs, and what it does to a normal client's latency meanwhile.
+
+One test per way a client tried to hurt the others (issue 12): a 10 MB and a 60 MB prompt, 200,000
+stop strings, invalid UTF-8, bytes that are not protobuf, an over-full waiting queue, bad JSON.
+The served model is a small random checkpoint with a context of MAX_POS tokens, so every prompt
+here is far over the context: the server must refuse it without tokenizing it all.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import httpx
+import pytest
+
+from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
+from specdec import ServiceConfig
+from specdec.app.embedded import LocalSchedulerFactory
+from specdec.client import GenerationClient
+from specdec.config import SHIPPED_TARGET
+from specdec.tokenizer import load_tokenizer
+from specdec.v1 import generation_pb2
+
+from checkpoints import CONFIGS, add_chat_template, build_checkpoint
+from test_server_e2e import KV, MAX_POS, save_tokenizer, slow_rounds, wait_until
+
+LIMIT = 4 << 20  # ServerConfig.max_request_bytes by default
+MAX_WAITING = 4
+MAX_BATCH = 2
+NORMAL = dict(max_new_tokens=32)
+WORDS = "the quick brown fox jumps over the lazy dog "
+REPO = Path(__file__).resolve().parents[1]
+
+
+def text_of(size: int) -> str:
+    """`size` characters (and bytes) of ordinary words."""
+    return (WORDS * (size // len(WORDS) + 1))[:size]
+
+
+def rss_mb() -> float:
+    """This process's resident memory; the server runs in it (on its own threads)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def settled_rss_mb() -> float:
+    """RSS once the server has given back what it frees (coordinator.heap_trim, 0.2 s after the
+    last large request); the test's own client garbage is collected first."""
+    gc.collect()
+    time.sleep(0.6)
+    return rss_mb()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    target = build_checkpoint(tmp_path_factory.mktemp("hostile-target"), seed=0, max_position_embeddings=MAX_POS,
+                              **CONFIGS["gqa_untied"])
+    save_tokenizer(target)
+    add_chat_template(target)
+    factory = LocalSchedulerFactory(ServiceConfig.from_settings(target=str(target), draft="ngram",
+                                                                max_batch_size=MAX_BATCH, **KV))
+    config = replace(LOOPBACK_SERVER, max_waiting_requests=MAX_WAITING, max_request_bytes=LIMIT)
+    with run_server_in_thread(factory, factory.tokenizer, config) as handle:
+        address = f"127.0.0.1:{handle.port}"
+        with GenerationClient(address) as client, grpc.insecure_channel(address) as channel:
+            # Raw bytes on the wire, for requests no well-behaved client would serialize.
+            raw = channel.unary_stream("/specdec.v1.Generation/Generate", request_serializer=lambda b: b,
+                                       response_deserializer=generation_pb2.GenerateResponse.FromString)
+            http = httpx.Client(base_url=f"http://127.0.0.1:{handle.http_port}", timeout=30)
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            yield SimpleNamespace(handle=handle, client=client, raw=raw, http=http, model=model,
+                                  scheduler=handle.server.scheduler, gate=handle.server.gate)
+            http.close()
+
+
+def refused(call) -> tuple[grpc.RpcError, float]:
+    """Run a gRPC call that must fail; (its error, seconds it took)."""
+    start = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value, time.perf_counter() - start
+
+
+def normal_latency(served) -> float:
+    start = time.perf_counter()
+    result = served.client.generate("the quick brown fox", timeout=20, **NORMAL)
+    assert result.finish_reason == "length" and len(result.token_ids) == NORMAL["max_new_tokens"]
+    return time.perf_counter() - start
+
+
+# --- at the size limit: time and memory ----------------------------------------------------------
+
+
+def test_prompt_at_the_size_limit_is_refused_in_under_100ms_and_rss_stays_flat(served):
+    prompt = text_of(LIMIT - 1024)  # what the transport lets through: the prompt bound must refuse it
+    error, _ = refused(lambda: served.client.generate(prompt, timeout=10))  # warm-up: first-use allocations
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in error.details()
+    gc.collect()
+    before = rss_mb()
+    seconds = []
+    for _ in range(12):
+        error, took = refused(lambda: served.client.generate(prompt, timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert took < 1.0, f"refusing a {LIMIT - 1024}-byte prompt took {took:.2f}s"
+        seconds.append(took)
+    body = {"model": served.model, "prompt": prompt, "max_tokens": 4}
+    for _ in range(4):
+        start = time.perf_counter()
+        response = served.http.post("/v1/completions", json=body)
+        seconds.append(time.perf_counter() - start)
+        assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+    grown = settled_rss_mb() - before
+    print(f"\nrefusing a {LIMIT - 1024}-byte prompt: median {1e3 * statistics.median(seconds):.1f} ms, "
+          f"max {1e3 * max(seconds):.1f} ms over {len(seconds)}; RSS {grown:+.1f} MB")
+    assert statistics.median(seconds) < 0.1
+    assert grown < 50
+
+
+def test_normal_request_keeps_its_latency_while_4_clients_send_hostile_requests(served):
+    for _ in range(3):
+        normal_latency(served)  # warm-up
+    quiet = statistics.median(normal_latency(served) for _ in range(7))
+    # The hostile clients run in a process of their own, as they would on another machine.
+    clients = subprocess.Popen([sys.executable, "-c", HOSTILE_CLIENTS, str(served.handle.port),
+                                str(served.handle.http_port), served.model, str(LIMIT)],
+                               stdout=subprocess.PIPE, text=True, cwd=REPO,
+                               env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    try:
+        assert clients.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # let them all get going
+        loaded = [normal_latency(served) for _ in range(7)]
+    finally:
+        if clients.poll() is None:
+            clients.terminate()
+    report = json.loads(clients.communicate(timeout=30)[0].strip().splitlines()[-1])
+    busy = statistics.median(loaded)
+    print(f"\nnormal request: quiet {1e3 * quiet:.0f} ms, under attack {1e3 * busy:.0f} ms "
+          f"(max {1e3 * max(loaded):.0f} ms); hostile requests refused: {report}")
+    for kind, expected in (("at_limit", "INVALID_ARGUMENT"), ("oversized", "RESOURCE_EXHAUSTED"),
+                           ("stops", "INVALID_ARGUMENT"), ("http", "400")):
+        assert report[kind] and set(report[kind]) == {expected}, report
+    assert busy < 2 * quiet
+
+
+HOSTILE_CLIENTS = textwrap.dedent('''
+    import http.client, json, signal, sys, threading
+    import grpc
+    from specdec.v1 import generation_pb2
+
+    port, http_port, model, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    PAUSE = 0.02  # between one client's requests: each sends ~MBs, and this machine has 2 cores
+    words = "the quick brown fox jumps over the lazy dog "
+    text = lambda n: (words * (n // len(words) + 1))[:n]
+    bodies = {
+        "at_limit": generation_pb2.GenerateRequest(prompt=text(limit - 1024)).SerializeToString(),
+        "oversized": generation_pb2.GenerateRequest(prompt=text(3 * limit)).SerializeToString(),
+        "stops": generation_pb2.GenerateRequest(prompt="hi", stop=[f"s{i}" for i in range(10_000)]).SerializeToString(),
+    }
+    http_body = json.dumps({"model": model, "prompt": text(limit - 1024)})
+    counts = {kind: {} for kind in (*bodies, "http")}
+    stop = threading.Event()
+
+    def grpc_client(kind):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/specdec.v1.Generation/Generate", request_serializer=lambda b: b)
+            while not stop.is_set():
+                try:
+                    list(call(bodies[kind], timeout=30))
+                    status = "OK"
+                except grpc.RpcError as e:
+                    status = e.code().name
+                counts[kind][status] = counts[kind].get(status, 0) + 1
+                stop.wait(PAUSE)
+
+    def http_client():
+        while not stop.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+            conn.request("POST", "/v1/completions", http_body, {"Content-Type": "application/json"})
+            status = str(conn.getresponse().status)
+            conn.close()
+            counts["http"][status] = counts["http"].get(status, 0) + 1
+            stop.wait(PAUSE)
+
+    threads = [threading.Thread(target=grpc_client, args=(k,)) for k in bodies]
+    threads.append(threading.Thread(target=http_client))
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    for t in threads:
+        t.join()
+    print(json.dumps(counts), flush=True)
+''')
+
+
+# --- one test per row of the issue's table -----------------------------------------------------
+
+
+@pytest.mark.parametrize("megabytes", [10, 60])
+def test_huge_prompt_is_refused_by_the_size_limit_quickly_without_holding_memory(served, megabytes):
+    prompt = text_of(megabytes * 1_000_000)
+    body = json.dumps({"model": served.model, "prompt": prompt})
+    refused(lambda: served.client.generate(prompt, timeout=10))  # warm-up: the test's own client buffers
+    before = settled_rss_mb()
+    error, took = refused(lambda: served.client.generate(prompt, timeout=10))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert str(LIMIT) in error.details()  # "Received message larger than max (N vs. LIMIT)"
+    start = time.perf_counter()
+    response = served.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    http_took = time.perf_counter() - start
+    assert response.status_code == 413
+    assert "--max-request-bytes" in response.json()["error"]["message"]
+    grown = settled_rss_mb() - before
+    print(f"\n{megabytes} MB prompt: gRPC refused in {1e3 * took:.0f} ms, HTTP in {1e3 * http_took:.0f} ms; "
+          f"RSS {grown:+.1f} MB")
+    assert took < 2.0 and http_took < 2.0
+    # Printed, not asserted: the test's own client (in this process) holds copies of a 60 MB
+    # message; the server's share is measured at the size limit above.
+    assert normal_latency(served) < 2.0  # and everyone else is served as before
+
+
+def test_200000_stop_strings_are_refused_and_cannot_slow_the_stream(served):
+    stops = [f"stop-{i}" for i in range(200_000)]  # 2.6 MB of strings, about 3 MB on the wire
+    error, took = refused(lambda: served.client.generate("hello server", stop=stops, max_new_tokens=32, timeout=20))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 16 stop strings" in error.details() and "--max-stop-strings" in error.details()
+    long_stop, long_took = refused(lambda: served.client.generate("hello server", stop=["x" * 10_000], timeout=20))
+    assert long_stop.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-string-length" in long_stop.details()
+    response = served.http.post("/v1/completions", json={"model": served.model, "prompt": "hello server",
+                                                         "stop": stops, "max_tokens": 32})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop"
+    # The most a client may ask for costs little per token: 16 stop strings of 256 characters.
+    allowed = ["\x00" + "z" * 255 for _ in range(16)]
+    start = time.perf_counter()
+    result = served.client.generate("hello server", stop=allowed, max_new_tokens=32, ignore_eos=True, timeout=20)
+    with_stops = time.perf_counter() - start
+    assert len(result.token_ids) == 32
+    start = time.perf_counter()
+    served.client.generate("hello server", max_new_tokens=32, ignore_eos=True, timeout=20)
+    without = time.perf_counter() - start
+    print(f"\n200,000 stop strings refused in {1e3 * took:.0f} ms (one of 10,000 characters in "
+          f"{1e3 * long_took:.0f} ms); 32 tokens with 16 stop strings of 256 characters {1e3 * with_stops:.0f} ms, "
+          f"without {1e3 * without:.0f} ms")
+    assert took < 1.0 and long_took < 1.0
+    assert with_stops < 2 * without + 0.1
+
+
+def test_invalid_utf8_prompt_is_invalid_argument(served):
+    message = generation_pb2.GenerateRequest(prompt="hello é server").SerializeToString()
+    corrupt = message.replace("é".encode(), b"\xff\xfe")
+    error, _ = refused(lambda: list(served.raw(corrupt, timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in error.details() and "prompt" in error.details()
+    # The same over HTTP: a body that is not UTF-8 is not JSON.
+    body = json.dumps({"model": served.model, "prompt": "hello é server"}).encode().replace(b"\\u00e9", b"\xff")
+    response = served.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("data", [b"\xff\xff\xff\xff", b"\x0a\xff\xff\xff\x0f", b"GET / HTTP/1.1\r\n\r\n"],
+                         ids=["garbage", "truncated-length", "http-text"])
+def test_bytes_that_are_not_protobuf_are_invalid_argument(served, data):
+    error, took = refused(lambda: list(served.raw(data, timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    assert "not a specdec.v1.GenerateRequest" in error.details()
+    assert took < 1.0
+    assert normal_latency(served) < 2.0
+
+
+def test_over_full_waiting_queue_is_resource_exhausted_and_429(served):
+    slow_rounds(served.scheduler, 0.05)
+    calls = [served.client.generate_stream("hello server", max_new_tokens=100, ignore_eos=True, timeout=60,
+                                           num_speculative_tokens=0)
+             for _ in range(MAX_BATCH + MAX_WAITING + 1)]  # MAX_BATCH run, MAX_WAITING wait: the queue is full
+
+    def consume(call) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for _ in call:
+                pass
+
+    for call in calls:
+        threading.Thread(target=consume, args=(call,), daemon=True).start()
+    try:
+        assert wait_until(lambda: served.gate.waiting == MAX_WAITING, timeout=20), served.gate.waiting
+        error, took = refused(lambda: served.client.generate("hello server", timeout=10))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-waiting-requests" in error.details()
+        start = time.perf_counter()
+        response = served.http.post("/v1/completions", json={"model": served.model, "prompt": "hello"})
+        http_took = time.perf_counter() - start
+        assert response.status_code == 429
+        error_body = response.json()["error"]
+        assert error_body["type"] == "rate_limit_error" and "--max-waiting-requests" in error_body["message"]
+        print(f"\nfull queue: gRPC refused in {1e3 * took:.0f} ms, HTTP in {1e3 * http_took:.0f} ms")
+        assert took < 1.0 and http_took < 1.0
+    finally:
+        for call in calls:
+            call.cancel()
+        served.scheduler.on_round = None
+    # The slots come back: once the queue drains, requests are served again.
+    assert wait_until(lambda: served.gate.waiting == 0 and served.gate.in_flight == 0, timeout=20)
+    assert normal_latency(served) < 2.0
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"model": "m", "prompt": "hi"', "not valid JSON"),
+    (b'["not", "an", "object"]', "must be a JSON object"),
+    (b'{"model": "m", "prompt": "hi", "max_tokens": "many"}', "max_tokens"),
+    (b'{"model": "m", "prompt": {"text": "hi"}}', "prompt"),
+    (b'{"model": "m", "prompt": "hi", "stop": 5}', "stop"),
+    (b"[" * 200_000 + b"]" * 200_000, "not valid JSON"),  # nested past Python's recursion limit
+], ids=["truncated", "not-an-object", "wrong-type", "wrong-prompt-type", "wrong-stop-type", "deeply-nested"])
+def test_bad_json_is_400_with_openai_error(served, body, message):
+    body = body.replace(b'"m"', json.dumps(served.model).encode())
+    start = time.perf_counter()
+    response = served.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    took = time.perf_counter() - start
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"]
+    assert took < 1.0
+
+
+def test_http_body_over_the_limit_is_413_before_it_is_read(served):
+    """Content-Length alone decides: the server answers without waiting for the body."""
+    with socket.create_connection(("127.0.0.1", served.handle.http_port), timeout=10) as sock:
+        start = time.perf_counter()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 60000000\r\n\r\n{\"model\": ")
+        answer = b""
+        while b"}}" not in answer and (chunk := sock.recv(65536)):
+            answer += chunk
+        took = time.perf_counter() - start
+        answer = answer.decode()
+    assert answer.startswith("HTTP/1.1 413")
+    assert "--max-request-bytes" in answer and "60000000 bytes" in answer
+    assert took < 1.0
+
+
+# --- the prompt bound itself ---------------------------------------------------------------------
+
+
+def test_prompt_far_over_a_long_context_is_refused_after_tokenizing_about_one_context():
+    """Without the token-width bound (width None), counting in chunks stops soon after the
+    context: refusing 4 MB of text for a 1024-token context costs what ~1024 tokens cost."""
+    from specdec.bounded_tokenize import PromptTooLong, encode_within
+
+    tokenizer = load_tokenizer(SHIPPED_TARGET)
+    text = text_of(LIMIT)
+    start = time.perf_counter()
+    with pytest.raises(PromptTooLong, match="longer than the context length"):
+        encode_within(tokenizer, text, 1024, None)
+    took = time.perf_counter() - start
+    fits = text_of(3000)  # a prompt that fits is tokenized exactly as a whole
+    assert encode_within(tokenizer, fits, 1024, None) == tokenizer(fits)["input_ids"]
+    print(f"\n{LIMIT}-character prompt refused for a 1024-token context in {1e3 * took:.1f} ms")
+    assert took < 0.1

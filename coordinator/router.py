@@ -4,9 +4,11 @@ KV cache and scheduler).
 Terms: a replica is *serving* when its scheduler is built, its target answers and it is not being
 drained. A new request goes to the serving replica with the fewest waiting requests (its last
 round report's queue depth plus what was routed to it since), then the most free KV blocks, ties
-broken round-robin; it stays there until it ends (a replica whose target dies resumes its requests
-on the restarted worker, coordinator.scheduler). While no replica serves, requests go to one that
-is still loading or restarting and wait there. The Router has the SchedulerThread surface the
+broken round-robin; it stays there until it ends, unless its replica's target is lost: then, if
+another replica serves, the request moves there (Scheduler.evict / adopt: its committed tokens
+are re-fed, so the output is the same); if none does, it waits for the restarted worker
+(coordinator.scheduler). While no replica serves, new requests go to one that is still loading or
+restarting and wait there. The Router has the SchedulerThread surface the
 servers use (submit, abort, ready, failure, on_round, ...), so one replica and many look alike.
 
 With a `launcher` and a ReplicaConfig whose max_replicas > min_replicas, a scaling thread asks
@@ -107,6 +109,8 @@ class Router:
         self._on_round, self._record_round = on_round, record_round
         self._lock = threading.Lock()
         self._owner: dict[str, Replica] = {}
+        self._moving: set[str] = set()
+        self.moved_requests = 0  # requests that went on on another replica after a target was lost
         self._last_choice = -1
         self.replicas: list[Replica] = [self._new_replica(i, f) for i, f in enumerate(factories)]
         self.initial = list(self.replicas)
@@ -235,6 +239,37 @@ class Router:
             replica.kv_blocks_free = report.kv_blocks_total - report.kv_blocks_used
             replica.target_down = "target" in report.workers_down
             replica.routed_since_report = 0
+            moves = self._plan_moves(replica) if replica.target_down and replica.active else []
+        for req_id, destination in moves:
+            replica.thread.evict(req_id, lambda moved, sink, r=req_id, d=destination: self._deliver(r, d, moved, sink))
+
+    def _plan_moves(self, source: Replica) -> list[tuple[str, Replica]]:
+        """Its target lost: where each of `source`'s requests goes on (none if no other replica
+        serves). Called with the lock held, on the source's scheduler thread."""
+        moves = []
+        for req_id, owner in list(self._owner.items()):
+            if owner is not source or req_id in self._moving:
+                continue
+            destination = self._choose()
+            if destination is None or not destination.serving:
+                break
+            self._owner[req_id] = destination
+            source.active -= 1
+            destination.active += 1
+            destination.routed_since_report += 1
+            self._moving.add(req_id)
+            moves.append((req_id, destination))
+        return moves
+
+    def _deliver(self, req_id: str, destination: Replica, moved, sink) -> None:
+        """On the source's thread: hand an evicted request to its new replica."""
+        with self._lock:
+            self._moving.discard(req_id)
+        if moved is None or sink is None:  # it ended (or was cancelled) before it could move
+            return
+        self.moved_requests += 1
+        log.warning("request %s moves to replica %d (its target was lost)", req_id, destination.index)
+        destination.thread.adopt(moved, sink)
 
     # -- autoscaling -----------------------------------------------------------------------------------
     def loads(self) -> list[ReplicaLoad]:

@@ -11,6 +11,12 @@ again; when the draft is lost, rounds go on without speculation, except seeded s
 which wait for it (K = 0 rounds would decide their tokens with other random draws than an
 uninterrupted run). Only a worker gone longer than worker_recovery_timeout, or one that will not
 be restarted (WorkerGone), fails its requests; `healthy` is False while the target is in that state.
+A lost target is probed even when no request runs, so an idle replica learns it is back.
+
+With several replicas (coordinator.router) a request can also move: `evict` takes it out of this
+scheduler with its committed tokens, stream and policy state, and another replica's scheduler
+`adopt`s it, re-feeding prompt + committed tokens as a fresh first round, exactly as after a lost
+target: the same tokens follow.
 """
 from __future__ import annotations
 
@@ -61,6 +67,7 @@ class Scheduler:
         self.max_seq_len = min(limits)
         self.eos_ids = set(self.target_info.eos_token_ids)
         self.waiting: deque[Request] = deque()
+        self.adopted: deque[tuple[RunningRequest, object]] = deque()  # moved here, not yet running
         self.running: dict[str, RunningRequest] = {}
         self._release_draft: list[str] = []
         self._release_target: list[str] = []
@@ -97,7 +104,7 @@ class Scheduler:
         asked, most = request.num_speculative_tokens, self.config.max_request_speculative_tokens
         if asked is not None and not 0 <= asked <= most:
             raise ValueError(f"num_speculative_tokens must be between 0 and {most}, got {asked}")
-        if request.req_id in self.running or any(r.req_id == request.req_id for r in self.waiting):
+        if self._known(request.req_id):
             raise ValueError(f"request id {request.req_id!r} is already in use")
         if self._blocks_for(request) > self.target_info.kv_blocks_total:
             raise ValueError(f"the request needs {self._blocks_for(request)} KV blocks but the cache has "
@@ -112,11 +119,19 @@ class Scheduler:
             request.params = dataclasses.replace(request.params, seed=random_seed())
         self.waiting.append(request)
 
+    def _known(self, req_id: str) -> bool:
+        return (req_id in self.running or any(r.req_id == req_id for r in self.waiting)
+                or any(run.request.req_id == req_id for run, _ in self.adopted))
+
     def abort(self, req_id: str) -> bool:
         """Drop a request now (client gone); its KV blocks are freed at the start of the next round."""
         for i, r in enumerate(self.waiting):
             if r.req_id == req_id:
                 del self.waiting[i]
+                return True
+        for i, (run, _) in enumerate(self.adopted):
+            if run.request.req_id == req_id:
+                del self.adopted[i]
                 return True
         if req_id in self.running:
             self._retire(req_id)
@@ -127,15 +142,14 @@ class Scheduler:
         now = time.monotonic()
         releases_due = (self._release_target or self._release_draft) and now >= self._release_retry_at
         rounds_due = self.running and (self.target_health.due(now) or self.target_health.given_up(now))
-        # A target given up on is probed even when idle, so health turns back to serving on its own.
-        probe_due = self.target_health.given_up(now) and self.target_health.due(now)
-        return bool(self.waiting or rounds_due or releases_due or probe_due)
+        # A lost target is probed even when idle, so health (and the router) see it come back.
+        probe_due = not self.target_health.up and self.target_health.due(now)
+        return bool(self.waiting or self.adopted or rounds_due or releases_due or probe_due)
 
     def wake_in(self) -> float | None:
         """Seconds until a retry of a lost worker is due (None: nothing waits for one)."""
         target = self.target_health
-        waits = not target.up and (self.running or target.given_up())
-        return target.wait_seconds() if waits else None
+        return None if target.up else target.wait_seconds()
 
     @property
     def healthy(self) -> bool:
@@ -144,7 +158,39 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.adopted)
+
+    # -- moving requests between replicas ----------------------------------------------------------
+    def evict(self, req_id: str) -> tuple[Request | RunningRequest, object] | None:
+        """Take a request out to go on elsewhere: a waiting Request, or a running one with its
+        committed tokens and its policy state (None: no such request). Its blocks here are
+        released like a finished request's."""
+        for i, r in enumerate(self.waiting):
+            if r.req_id == req_id:
+                del self.waiting[i]
+                return r, None
+        for i, (run, state) in enumerate(self.adopted):
+            if run.request.req_id == req_id:
+                del self.adopted[i]
+                return run, state
+        run = self.running.get(req_id)
+        if run is None:
+            return None
+        state = self.policy.export(req_id) if self.policy is not None else None
+        self._retire(req_id)
+        return run, state
+
+    def adopt(self, moved: Request | RunningRequest, policy_state: object = None) -> None:
+        """Continue a request another scheduler admitted (its seed already fixed there)."""
+        if isinstance(moved, Request):
+            self.waiting.append(moved)
+            return
+        moved.started_target = False
+        moved.unsent_to_draft = moved.request.prompt_ids + moved.generated  # this draft has none of it
+        moved.stream.tokenizer = self.tokenizer  # tokenizers are not shared across threads
+        if self.draft is None:
+            moved.num_speculative_tokens = 0
+        self.adopted.append((moved, policy_state))
 
     def _blocks_for(self, request: Request) -> int:
         # Worst case the target holds prompt + max_new_tokens tokens (K is capped to fit).
@@ -153,6 +199,17 @@ class Scheduler:
 
     def _admit(self) -> None:
         free = self.target_info.kv_blocks_total - sum(self._reserved_blocks.values())
+        while self.adopted and len(self.running) < self.config.max_batch_size:  # they were admitted before
+            run, state = self.adopted[0]
+            need = self._blocks_for(run.request)
+            if need > free:
+                return
+            self.adopted.popleft()
+            free -= need
+            self._reserved_blocks[run.request.req_id] = need
+            self.running[run.request.req_id] = run
+            if self.policy is not None and state is not None:
+                self.policy.adopt(run.request.req_id, state)
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
             need = self._blocks_for(request)
@@ -208,9 +265,14 @@ class Scheduler:
             lost = WorkerUnavailable(self.target_health.describe())  # gone for good: fail what waits
             report.updates += self._fail_all(list(self.running.values()), lost)
             report.updates += [RequestUpdate.failure(r.req_id, str(lost), "unavailable") for r in self.waiting]
+            report.updates += [RequestUpdate.failure(run.request.req_id, str(lost), "unavailable", stats=run.stats)
+                               for run, _ in self.adopted]
             self.waiting.clear()
+            self.adopted.clear()
         elif self.running and self.target_health.due():
             self._run_round(report)
+        elif not self.running and not self.target_health.up and self.target_health.due():
+            self._target_answers()  # an idle probe of a lost target (delivers pending releases)
         elif not self.running:
             self._flush_releases()
         report.total_seconds = time.perf_counter() - start

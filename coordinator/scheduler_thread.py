@@ -8,6 +8,7 @@ the servers' event loops) and the whole RoundReport to the `on_round` hook (metr
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -61,6 +62,9 @@ class SchedulerThread:
         self._crash: str | None = None  # set if the loop itself died
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, Sink] = {}
+        # Aborts of ids this thread does not hold (yet): a request moving here may be cancelled
+        # on the way (coordinator.router); the newest few are remembered.
+        self._aborted_unknown: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._run, name=f"specdec-scheduler-{replica}", daemon=True)
 
     # -- called from any thread ---------------------------------------------------------------
@@ -73,6 +77,15 @@ class SchedulerThread:
 
     def abort(self, req_id: str) -> None:
         self._inbox.put(("abort", req_id))
+
+    def evict(self, req_id: str, deliver: Callable) -> None:
+        """Take a request out of this replica: `deliver(moved, sink)` is called on this thread
+        with what Scheduler.evict returned (None if it ended first) and its sink."""
+        self._inbox.put(("evict", req_id, deliver))
+
+    def adopt(self, moved, sink: Sink) -> None:
+        """Continue here a request evicted from another replica (Scheduler.adopt)."""
+        self._inbox.put(("adopt", moved, sink))
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the thread: requests still queued or running end with UNAVAILABLE."""
@@ -189,6 +202,22 @@ class SchedulerThread:
         elif command[0] == "abort":
             if self._sinks.pop(command[1], None) is not None:
                 self.scheduler.abort(command[1])
+            else:
+                self._aborted_unknown[command[1]] = None
+                while len(self._aborted_unknown) > 1024:
+                    self._aborted_unknown.popitem(last=False)
+        elif command[0] == "evict":
+            _, req_id, deliver = command
+            moved = self.scheduler.evict(req_id)
+            deliver(moved, self._sinks.pop(req_id, None))
+        elif command[0] == "adopt":
+            _, (moved, state), sink = command
+            req_id = _req_id(moved)
+            if req_id in self._aborted_unknown:  # cancelled on its way here
+                del self._aborted_unknown[req_id]
+                return
+            self.scheduler.adopt(moved, state)
+            self._sinks[req_id] = sink
 
     def _route(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
@@ -215,8 +244,7 @@ class SchedulerThread:
     def _serve_failed(self, message: str) -> None:
         """No scheduler: answer every submission with UNAVAILABLE until stopped."""
         while (command := self._inbox.get())[0] is not _STOP:
-            if command[0] == "add":
-                command[2].put(RequestUpdate.failure(command[1].req_id, message, "unavailable"))
+            _refuse(command, message)
 
     def _fail_queued(self, message: str) -> None:
         while True:
@@ -224,5 +252,18 @@ class SchedulerThread:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                command[2].put(RequestUpdate.failure(command[1].req_id, message, "unavailable"))
+            _refuse(command, message)
+
+
+def _req_id(moved) -> str:
+    return moved.req_id if isinstance(moved, Request) else moved.request.req_id
+
+
+def _refuse(command, message: str) -> None:
+    """Answer a command that will not be carried out: requests fail with UNAVAILABLE."""
+    if command[0] == "add":
+        command[2].put(RequestUpdate.failure(command[1].req_id, message, "unavailable"))
+    elif command[0] == "adopt":
+        command[2].put(RequestUpdate.failure(_req_id(command[1][0]), message, "unavailable"))
+    elif command[0] == "evict":
+        command[2](None, None)

@@ -8,8 +8,9 @@ requests waiting to start) and tokenize on one TokenizerPool thread; a request l
 ServerConfig.max_request_bytes is refused by either transport before it is read whole. Health is
 NOT_SERVING (HTTP /health: 503) until the schedulers are built, SERVING after, NOT_SERVING while no
 replica can serve (their target workers given up on) and while draining. Optional TLS (PEM
-paths) and an optional bearer token checked on every call but health, on both ports (ServerConfig). The server's Prometheus
-registry (coordinator.prometheus_metrics) is fed by every round and every request.
+paths) and an optional bearer token checked on every call but health, on both ports
+(ServerConfig). The server's Prometheus registry (coordinator.prometheus_metrics) is fed by every
+round and every request.
 """
 from __future__ import annotations
 

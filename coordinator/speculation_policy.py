@@ -115,6 +115,14 @@ class SpeculationPolicy:
                 self._global[greedy[update.req_id]].add(update.accepted, tested)
         self.costs.observe(report)
 
+    def export(self, req_id: str) -> _Evidence | None:
+        """A request's own history, to carry to another replica's policy (`adopt`): a seeded
+        request's K must stay a function of its own history wherever it runs."""
+        return self._evidence.get(req_id)
+
+    def adopt(self, req_id: str, evidence: _Evidence) -> None:
+        self._evidence[req_id] = evidence
+
     def forget(self, req_id: str) -> None:
         self._evidence.pop(req_id, None)
         self._chosen.pop(req_id, None)

@@ -157,6 +157,10 @@ def test_two_replicas_share_the_streams_and_match_one_engine(models):
         report.replica, per_replica.get(report.replica, 0) + report.committed_tokens)
     try:
         assert generate_all(handle.port, PROMPTS, PARAMS) == want
+        deadline = time.monotonic() + 10  # the hook runs after a round's updates went out
+        while sum(per_replica.values()) < sum(len(w) for w in want):
+            assert time.monotonic() < deadline, per_replica
+            time.sleep(0.02)
         assert set(per_replica) == {0, 1} and all(n > 0 for n in per_replica.values()), per_replica
         assert sum(per_replica.values()) == sum(len(w) for w in want)
         metrics = handle.server.metrics.registry.get_sample_value
@@ -184,7 +188,7 @@ def test_in_process_autoscaling_adds_a_replica_under_load_and_drains_it_when_idl
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             busy = pool.submit(generate_all, handle.port, [PROMPTS[0]] * 6, [long] * 6)
             deadline = time.monotonic() + 30
-            while len(router.replicas) < 2:
+            while len(router.replicas) < 2 or not router.replicas[1].serving:
                 assert time.monotonic() < deadline, "no replica was added while requests waited"
                 time.sleep(0.05)
             assert set(launcher.factories) == {1}
@@ -208,3 +212,38 @@ def test_a_router_with_no_replica_left_refuses_clearly():
     router.replicas = [replica]
     router._last_choice = -1
     assert router._choose() is None
+
+
+# --- a request moved between replicas --------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_a_request_evicted_midway_and_adopted_by_another_scheduler_gives_the_same_tokens(models, policy):
+    """What the router does when a replica's target is lost and another serves: the same tokens
+    follow, greedy and seeded sampled, with the adaptive policy's per-request state carried."""
+    from coordinator.request import Request
+
+    from checkpoints import cheap_drafting_policy, use_policy
+
+    config = service_config(models)
+    engine_config = dataclasses.replace(config, ray=dataclasses.replace(config.ray, enabled=False))
+    want = [o.token_ids for o in use_policy(LocalEngine(config=engine_config), policy).generate(PROMPTS[:4],
+                                                                                                  PARAMS[:4])]
+    source, destination = LocalSchedulerFactory(config)(), LocalSchedulerFactory(config)()
+    if policy == "adaptive":
+        source.policy, destination.policy = cheap_drafting_policy(), cheap_drafting_policy()
+    got = {f"r{i}": [] for i in range(4)}
+    for i in range(4):
+        source.add_request(Request(f"r{i}", PROMPTS[i], PARAMS[i]))
+    for _ in range(3):
+        for u in source.step().updates:
+            got[u.req_id] += u.token_ids
+    for i in range(4):
+        destination.adopt(*source.evict(f"r{i}"))
+    assert not source.running and source.evict("r0") is None
+    while destination.has_work() or destination.running:
+        for u in destination.step().updates:
+            got[u.req_id] += u.token_ids
+    assert [got[f"r{i}"] for i in range(4)] == want
+    source.step()  # delivers the releases
+    for scheduler in (source, destination):
+        assert scheduler.kv_blocks_used == 0

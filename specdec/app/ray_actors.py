@@ -225,9 +225,10 @@ class CoordinatorActor:
             self.launcher.stop_all()
         return self.metrics.snapshot()
 
-    def replica_count(self) -> int:
-        """Replicas routed to now (autoscaling changes it)."""
-        return len(self.handle.server.scheduler.replicas)
+    def routing(self) -> dict:
+        """Replicas routed to now (autoscaling changes it) and requests moved between them."""
+        router = self.handle.server.scheduler
+        return {"replicas": [r.index for r in router.replicas], "moved_requests": router.moved_requests}
 
 
 class WireSum:

@@ -1,16 +1,18 @@
-"""Offline checks of the Kubernetes manifests in k8s/ and of the Dockerfile.
+"""Offline checks of the Kubernetes manifests in k8s/ (as `kubectl kustomize` renders them: the
+base and every overlay) and of the Dockerfile. Schema validation is in test_k8s_schemas.py; this
+file checks what makes the deployment work:
 
-- Built-in kinds (Service, NetworkPolicy, PVC, Secret, and every pod template inside the
-  RayCluster) are validated against the Kubernetes OpenAPI schemas that the `kubernetes-validate`
-  package ships (strict: unknown fields are errors). No cluster, no network.
-- The RayCluster (ray.io/v1) is checked against KubeRay's documented fields: a whitelist of the
-  spec fields that KubeRay 1.2 (the oldest version k8s/README.md supports) accepts, the required
-  ones, and the types KubeRay's CRD demands (rayStartParams is a map of strings).
-- Then what makes this deployment work: GPUs on every worker, Ray custom resources that pin the
-  actors, gRPC probes on the coordinator's :50051, a NetworkPolicy that lets only the coordinator
-  reach the workers' gRPC ports while Ray's own ports stay open inside the Ray cluster, a Service
-  that targets :50051, and a head command that starts Ray, then `specdec serve`, and drains on
-  SIGTERM (run here with stub `ray` / `specdec` programs).
+- autoscaling: in-tree autoscaling on, worker groups whose minReplicas / maxReplicas are the head's
+  SPECDEC_MIN_REPLICAS / SPECDEC_MAX_REPLICAS, no draft pods with the n-gram drafter;
+- GPUs on every worker, Ray custom resources that pin the actors, each overlay changing only what
+  it is for;
+- probes (startup long enough for the workers and the models, liveness that does not depend on
+  specdec, readiness from gRPC health), a termination grace period longer than the drain and stop
+  time, and a head command that starts Ray, then `specdec serve`, drains on SIGTERM and kills a
+  serve that overruns (run here with stub `ray` / `specdec` programs);
+- the init container that fills the model volume (run here with a stub huggingface_hub);
+- the NetworkPolicy (only the coordinator reaches the workers' gRPC ports, Ray's ports stay among
+  Ray pods), the Service, the PodDisruptionBudget, the PodMonitor.
 """
 from __future__ import annotations
 
@@ -26,28 +28,16 @@ import time
 from functools import cache
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-K8S = REPO / "k8s"
-K8S_VERSION = "1.30.0"  # validate against this Kubernetes API version (bundled schema)
+from k8s_render import BASE, K8S, OVERLAYS, REPO, VARIANTS, env_values, groups, one, ray_container, rendered
 
 PUBLIC_PORT = 50051
 HTTP_PORT = 8000
 WORKER_PORT_ENV = {"target": "SPECDEC_TARGET_WORKER_PORT", "draft": "SPECDEC_DRAFT_WORKER_PORT"}
 GPU = "nvidia.com/gpu"
 CUSTOM_RESOURCE = {"head": "specdec_coordinator", "target": "specdec_target", "draft": "specdec_draft"}
-
-# ray.io/v1 RayCluster fields as of KubeRay v1.2.0 (newer releases add more; we stay compatible).
-RAYCLUSTER_SPEC_FIELDS = {"suspend", "autoscalerOptions", "headServiceAnnotations", "enableInTreeAutoscaling",
-                          "headGroupSpec", "rayVersion", "workerGroupSpecs"}
-HEAD_GROUP_FIELDS = {"serviceType", "headService", "enableIngress", "rayStartParams", "template"}
-HEAD_GROUP_REQUIRED = {"rayStartParams", "template"}
-WORKER_GROUP_FIELDS = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template",
-                       "scaleStrategy", "numOfHosts"}
-WORKER_GROUP_REQUIRED = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"}
 # `ray start` options that open a listening port (head-only ones are only valid on the head).
 RAY_PORT_PARAMS = {"port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
                    "runtime-env-agent-port", "dashboard-agent-grpc-port", "dashboard-agent-listen-port",
@@ -61,23 +51,17 @@ needs_bash = pytest.mark.skipif(sys.platform == "win32" or shutil.which("bash") 
 
 
 @cache
-def _docs(name: str) -> tuple[dict, ...]:
-    """Parsed once per file (PyYAML is slow); callers must not modify what they get."""
-    return tuple(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
-
-
-def _manifest_files() -> list[str]:
-    return sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-
-
-def _all_docs() -> list[tuple[str, dict]]:
-    return [(name, doc) for name in _manifest_files() for doc in _docs(name)]
+def _base_docs() -> tuple[dict, ...]:
+    """The base, parsed once (PyYAML is slow); callers must not modify what they get."""
+    return tuple(rendered(BASE))
 
 
 def _one(kind: str, name: str | None = None) -> dict:
-    found = [d for _, d in _all_docs() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected exactly one {kind} {name or ''}, found {len(found)}"
-    return found[0]
+    return one(list(_base_docs()), kind, name)
+
+
+def _all_docs() -> list[dict]:
+    return list(_base_docs())
 
 
 def _raycluster() -> dict:
@@ -85,22 +69,21 @@ def _raycluster() -> dict:
 
 
 def _groups() -> dict[str, dict]:
-    """'head' -> headGroupSpec, then groupName -> workerGroupSpec."""
-    spec = _raycluster()["spec"]
-    groups = {"head": spec["headGroupSpec"]}
-    for g in spec["workerGroupSpecs"]:
-        groups[g["groupName"]] = g
-    return groups
+    return groups(_raycluster())
 
 
 def _ray_container(group: dict) -> dict:
-    return group["template"]["spec"]["containers"][0]  # KubeRay's Ray container is containers[0]
+    return ray_container(group)
 
 
-def _pod_labels(group_name: str) -> dict[str, str]:
+def _secret() -> dict:
+    return yaml.safe_load((K8S / "secret.example.yaml").read_text())
+
+
+def _pod_labels(group_name: str, cluster: dict | None = None) -> dict[str, str]:
     """The labels a pod of this group gets: its template's plus the ones KubeRay adds."""
-    cluster = _raycluster()
-    group = _groups()[group_name]
+    cluster = cluster or _raycluster()
+    group = groups(cluster)[group_name]
     labels = dict(group["template"].get("metadata", {}).get("labels", {}))
     labels.update({"ray.io/cluster": cluster["metadata"]["name"],
                    "ray.io/node-type": "head" if group_name == "head" else "worker",
@@ -151,8 +134,8 @@ def _covers(port_entry: dict, port: int) -> bool:
     return start == port or start <= port <= port_entry.get("endPort", start)
 
 
-def _policies_for(labels: dict) -> list[dict]:
-    return [d for _, d in _all_docs()
+def _policies_for(labels: dict, docs: list[dict] | None = None) -> list[dict]:
+    return [d for d in (docs or _all_docs())
             if d["kind"] == "NetworkPolicy" and _selector_matches(d["spec"]["podSelector"], labels)]
 
 
@@ -184,62 +167,6 @@ def _ray_ports(group_name: str) -> list[int]:
 
 def _worker_port(role: str) -> int:
     return int(_env(_ray_container(_groups()["head"]))[WORKER_PORT_ENV[role]]["value"])
-
-
-# --- schema validation -------------------------------------------------------------------------
-
-
-def test_manifest_kinds_are_the_expected_ones():
-    kinds = sorted(d["kind"] for _, d in _all_docs())
-    assert kinds == sorted(["NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "RayCluster", "Secret",
-                            "Service"])
-
-
-@pytest.mark.parametrize("name,index", [(n, i) for n in _manifest_files() for i, d in enumerate(_docs(n))
-                                        if d["apiVersion"] != "ray.io/v1"])
-def test_builtin_kinds_validate_against_the_kubernetes_schema(name, index):
-    doc = _docs(name)[index]
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-
-
-@pytest.mark.parametrize("group_name", ["head", "target", "draft"])
-def test_raycluster_pod_templates_validate_against_the_kubernetes_schema(group_name):
-    template = _groups()[group_name]["template"]
-    wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"specdec-{group_name}"},
-               "template": template}
-    kubernetes_validate.validate(wrapped, K8S_VERSION, strict=True)
-
-
-def test_raycluster_uses_only_documented_kuberay_fields():
-    cluster = _raycluster()
-    assert cluster["apiVersion"] == "ray.io/v1"
-    assert set(cluster) == {"apiVersion", "kind", "metadata", "spec"}
-    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", cluster["metadata"]["name"])
-    spec = cluster["spec"]
-    assert set(spec) <= RAYCLUSTER_SPEC_FIELDS, set(spec) - RAYCLUSTER_SPEC_FIELDS
-
-    head = spec["headGroupSpec"]
-    assert set(head) <= HEAD_GROUP_FIELDS, set(head) - HEAD_GROUP_FIELDS
-    assert HEAD_GROUP_REQUIRED <= set(head)
-    assert head["template"]["spec"]["containers"]
-
-    workers = spec["workerGroupSpecs"]
-    assert [g["groupName"] for g in workers] == ["target", "draft"]
-    for g in workers:
-        assert set(g) <= WORKER_GROUP_FIELDS, set(g) - WORKER_GROUP_FIELDS
-        assert WORKER_GROUP_REQUIRED <= set(g), WORKER_GROUP_REQUIRED - set(g)
-        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", g["groupName"])
-        for key in ("replicas", "minReplicas", "maxReplicas"):
-            assert isinstance(g[key], int) and not isinstance(g[key], bool), key
-        assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
-        assert g["template"]["spec"]["containers"]
-
-    for name, group in _groups().items():
-        params = group["rayStartParams"]
-        assert all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()), \
-            f"{name}: rayStartParams must be a map of strings (the CRD rejects numbers)"
-        assert "block" not in params and "address" not in params, "KubeRay sets these itself"
-    assert isinstance(spec["enableInTreeAutoscaling"], bool)
 
 
 def test_rayversion_matches_the_image():
@@ -385,7 +312,7 @@ def test_every_worker_container_requests_a_gpu_and_runs_on_gpu_nodes():
             res = container["resources"]
             assert int(res["requests"][GPU]) >= 1 and res["requests"][GPU] == res["limits"][GPU], name
         assert group["rayStartParams"]["num-gpus"] == _ray_container(group)["resources"]["limits"][GPU]
-        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert "nodeSelector" not in pod, "the base selects GPU nodes by the GPU request alone (overlays pin)"
         assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
 
 
@@ -405,21 +332,28 @@ def test_every_container_has_cpu_and_memory_requests_and_limits():
                 assert {"cpu", "memory"} <= set(container["resources"][kind]), (name, kind)
 
 
-def test_models_volume_is_mounted_read_only_everywhere():
+def test_models_volume_is_read_only_everywhere_but_in_the_fetch_init_container():
     pvc = _one("PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # written on the head's node, read on others
     for name, group in _groups().items():
         pod = group["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         (mount,) = [m for m in _ray_container(group)["volumeMounts"] if m["mountPath"] == "/models"]
         assert mount["readOnly"] is True, name
         claim = volumes[mount["name"]]["persistentVolumeClaim"]
-        assert claim["claimName"] == pvc["metadata"]["name"] and claim["readOnly"] is True, name
+        assert claim["claimName"] == pvc["metadata"]["name"], name
+        # Only the head pod writes (its init container); on workers even the claim is read-only.
+        assert claim.get("readOnly", False) is (name != "head"), name
+        for init in pod.get("initContainers", []):
+            assert name == "head" and init["name"] == "fetch-models", (name, init["name"])
+            (init_mount,) = [m for m in init["volumeMounts"] if m["name"] == mount["name"]]
+            assert init_mount["mountPath"] == "/models" and not init_mount.get("readOnly", False)
     env = _env(_ray_container(_groups()["head"]))
     assert env["SPECDEC_TARGET"]["value"].startswith("/models/")
 
 
 def test_auth_token_comes_from_the_secret():
-    secret = _one("Secret")
+    secret = _secret()
     env = _env(_ray_container(_groups()["head"]))
     ref = env["SPECDEC_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] == secret["metadata"]["name"]
@@ -430,14 +364,56 @@ def test_auth_token_comes_from_the_secret():
 # --- probes, ports, network policy, service ----------------------------------------------------
 
 
-def test_coordinator_probes_are_grpc_health_checks_on_the_public_port():
+def _probe_window_s(probe: dict) -> int:
+    """How long a failing probe takes to act: the kubelet's defaults where a field is unset."""
+    return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+def test_startup_and_readiness_are_grpc_health_checks_on_the_public_port():
     container = _ray_container(_groups()["head"])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         spec = container[probe]
         assert set(spec) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, probe
         assert spec["grpc"]["port"] == PUBLIC_PORT, probe
     assert container["readinessProbe"]["grpc"]["service"] == "specdec.v1.Generation"
+    assert container["startupProbe"]["grpc"].get("service", "") == ""
     assert any(p["containerPort"] == PUBLIC_PORT and p["name"] == "grpc" for p in container["ports"])
+
+
+def test_startup_probe_outlasts_the_wait_for_worker_pods_plus_model_loading():
+    container = _ray_container(_groups()["head"])
+    worker_wait = float(env_values(container)["SPECDEC_WORKER_WAIT"])
+    # The autoscaler may first have to get a GPU node (the wait), then both models load: allow at
+    # least 10 minutes for loading on top.
+    assert _probe_window_s(container["startupProbe"]) >= worker_wait + 600
+
+
+def test_liveness_asks_ray_not_specdec_so_a_loading_head_is_not_killed():
+    head = _groups()["head"]
+    container = _ray_container(head)
+    liveness = container["livenessProbe"]
+    # Not the gRPC health of :50051: that is down while `specdec serve` (re)loads models and
+    # NOT_SERVING while replicas are down, and killing the head restarts the whole Ray cluster.
+    assert set(liveness) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"httpGet"}
+    assert liveness["httpGet"]["path"] == "/api/gcs_healthz"
+    assert liveness["httpGet"]["port"] == int(head["rayStartParams"]["dashboard-port"])
+    assert any(p["containerPort"] == liveness["httpGet"]["port"] for p in container["ports"])
+    assert _probe_window_s(liveness) >= 60, "one slow GCS answer must not restart the cluster"
+
+
+def test_termination_grace_outlasts_drain_plus_stop():
+    head = _groups()["head"]
+    container = _ray_container(head)
+    env = env_values(container)
+    script = _script(container)
+    # The numbers the head command actually uses for each stage of stopping.
+    assert '--grace-period "$SPECDEC_GRACE_PERIOD"' in script
+    assert 'sleep "$SPECDEC_GRACE_PERIOD"; sleep "$SPECDEC_STOP_SECONDS"' in script
+    assert 'timeout "$SPECDEC_RAY_STOP_SECONDS" ray stop' in script
+    stopping = sum(float(env[v]) for v in ("SPECDEC_GRACE_PERIOD", "SPECDEC_STOP_SECONDS",
+                                           "SPECDEC_RAY_STOP_SECONDS"))
+    assert head["template"]["spec"]["terminationGracePeriodSeconds"] > stopping
+    assert float(env["SPECDEC_GRACE_PERIOD"]) > 0 and float(env["SPECDEC_STOP_SECONDS"]) > 0
 
 
 def test_worker_ports_are_fixed_and_the_same_in_every_pod():
@@ -517,15 +493,19 @@ def test_service_targets_the_coordinator_on_its_grpc_and_http_ports():
 # --- kustomize, Dockerfile ---------------------------------------------------------------------
 
 
-def test_kustomization_lists_every_manifest_but_the_example_secret():
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def test_base_kustomization_lists_every_base_manifest_and_not_the_example_secret():
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization" and kustomization["namespace"]
     resources = kustomization["resources"]
-    assert sorted(resources) == sorted(n for n in _manifest_files() if n != "secret.example.yaml")
-    images = {i["name"] for i in kustomization["images"]}
-    for group in _groups().values():
-        for container in group["template"]["spec"]["containers"]:
-            assert container["image"] in images
+    assert sorted(resources) == sorted(p.name for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml")
+    assert not (K8S / "base" / "secret.example.yaml").exists() and (K8S / "secret.example.yaml").exists()
+    (image,) = kustomization["images"]
+    wanted = f"{image['newName']}:{image['newTag']}"
+    for variant in VARIANTS:  # every container of every variant runs the one image
+        for name, group in groups(one(rendered(variant), "RayCluster")).items():
+            pod = group["template"]["spec"]
+            for container in pod["containers"] + pod.get("initContainers", []):
+                assert container["image"] == wanted, (variant, name, container["name"])
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:

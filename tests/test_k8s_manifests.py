@@ -211,7 +211,7 @@ def _stub(path: Path, body: str) -> None:
 
 
 def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1,
-                     sigterm: bool = True) -> tuple[int, list[str]]:
+                     sigterm: bool = True, env_overrides: dict | None = None) -> tuple[int, list[str]]:
     """Run the head container's script with stub `fake-ray-start` (as $KUBERAY_GEN_RAY_START_CMD),
     `ray` and `specdec` on PATH; once `specdec serve` has started `serve_starts` times, send SIGTERM
     (if `sigterm`). Returns the exit status and the stubs' log lines."""
@@ -234,6 +234,7 @@ def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1
     env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
                SPECDEC_AUTH_TOKEN="test-token", SPECDEC_RESTART_DELAY_S="0.05",
                KUBERAY_GEN_RAY_START_CMD="fake-ray-start --head --resources='{\"specdec_coordinator\": 1}' --block")
+    env.update(env_overrides or {})
     proc = subprocess.Popen(container["command"] + container["args"], env=env, cwd=tmp_path,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -292,6 +293,268 @@ def test_head_script_fails_the_container_when_ray_dies(tmp_path):
     assert code == 1, lines
     assert "drained" in lines, lines  # serve was told to stop first
     assert sum(x.startswith("specdec serve") for x in lines) == 1, lines
+
+
+@needs_bash
+def test_head_script_kills_a_serve_that_overruns_its_grace_period(tmp_path):
+    ignores_sigterm = ('echo "specdec $*" >> LOG\n'
+                       "trap 'echo term-ignored >> LOG' TERM\n"
+                       "while :; do sleep 0.05; done\n")
+    code, lines = _run_head_script(tmp_path, ignores_sigterm,
+                                   env_overrides={"SPECDEC_GRACE_PERIOD": "0.3", "SPECDEC_STOP_SECONDS": "0.3"})
+    assert code == 128 + signal.SIGKILL, (code, lines)  # the serve's status: killed
+    assert "term-ignored" in lines, lines
+    assert lines.index("term-ignored") < next(i for i, x in enumerate(lines) if x.startswith("ray stop"))
+    (serve,) = [x for x in lines if x.startswith("specdec serve")]
+    assert "--grace-period 0.3" in serve
+
+
+# --- the init container that fills the model volume -------------------------------------------
+
+FAKE_HUB = """
+import json, os, pathlib
+
+def snapshot_download(repo_id, *, revision=None, local_dir=None, ignore_patterns=None, **kwargs):
+    with open(os.environ["FAKE_HUB_LOG"], "a") as log:
+        log.write(json.dumps({"repo": repo_id, "revision": revision, "dir": str(local_dir),
+                              "endpoint": os.environ.get("HF_ENDPOINT"),
+                              "offline": os.environ.get("HF_HUB_OFFLINE"), "ignore": ignore_patterns}) + "\\n")
+    if repo_id in os.environ.get("FAKE_HUB_FAIL", "").split(","):
+        raise OSError("connection reset")
+    path = pathlib.Path(local_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    return str(path)
+"""
+
+
+def _fetch_container(variant: str = BASE) -> dict:
+    head = groups(one(rendered(variant), "RayCluster"))["head"]
+    (init,) = head["template"]["spec"]["initContainers"]
+    assert init["name"] == "fetch-models" and init["command"] == ["python", "-c"]
+    return init
+
+
+def _run_fetch(tmp_path: Path, variant: str = BASE, **env_overrides: str) -> tuple[int, list[dict], str]:
+    """Run the fetch-models script as the init container would, with a stub huggingface_hub that
+    logs its calls and writes a config.json; returns the exit status, the calls and stderr."""
+    init = _fetch_container(variant)
+    fake = tmp_path / "fake-hub"
+    (fake / "huggingface_hub").mkdir(parents=True, exist_ok=True)
+    (fake / "huggingface_hub" / "__init__.py").write_text(FAKE_HUB)
+    log = tmp_path / "hub-calls"
+    log.unlink(missing_ok=True)
+    env = {**env_values(init), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(fake),
+           "SPECDEC_MODELS_DIR": str(tmp_path / "models"), "FAKE_HUB_LOG": str(log), **env_overrides}
+    result = subprocess.run([sys.executable, "-c", init["args"][0]], env=env, capture_output=True, text=True,
+                            timeout=60)
+    calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return result.returncode, calls, result.stderr
+
+
+def test_fetch_models_downloads_each_model_once_then_needs_no_network(tmp_path):
+    env = env_values(_fetch_container())
+    code, calls, err = _run_fetch(tmp_path)
+    assert code == 0, err
+    assert [(c["repo"], c["revision"], c["dir"]) for c in calls] == [
+        (env["SPECDEC_TARGET_REPO"], None, str(tmp_path / "models" / "target")),
+        (env["SPECDEC_DRAFT_REPO"], None, str(tmp_path / "models" / "draft"))]
+    assert all(c["endpoint"] == env["HF_ENDPOINT"] and c["offline"] == "0" for c in calls)
+    assert all("*.bin" in c["ignore"] for c in calls)
+    # Restarted: both snapshots are there, the Hub is not asked again.
+    code, calls, err = _run_fetch(tmp_path)
+    assert code == 0 and calls == [], (err, calls)
+
+
+def test_fetch_models_fetches_again_when_the_revision_changes_and_uses_the_mirror(tmp_path):
+    assert _run_fetch(tmp_path)[0] == 0
+    mirror = "https://hf-mirror.internal.example"
+    code, calls, err = _run_fetch(tmp_path, SPECDEC_TARGET_REPO="acme/target-model@v2", HF_ENDPOINT=mirror)
+    assert code == 0, err
+    assert [(c["repo"], c["revision"], c["endpoint"]) for c in calls] == [("acme/target-model", "v2", mirror)]
+
+
+def test_fetch_models_failing_download_fails_the_pod_and_is_retried(tmp_path):
+    repo = env_values(_fetch_container())["SPECDEC_TARGET_REPO"]
+    code, calls, err = _run_fetch(tmp_path, FAKE_HUB_FAIL=repo)
+    assert code != 0 and "connection reset" in err
+    assert not (tmp_path / "models" / "target" / ".specdec-snapshot").exists()
+    code, calls, err = _run_fetch(tmp_path)  # the kubelet restarts the init container
+    assert code == 0 and [c["repo"] for c in calls][0] == repo, (err, calls)
+
+
+def test_fetch_models_with_the_ngram_overlay_fetches_only_the_target(tmp_path):
+    code, calls, err = _run_fetch(tmp_path, "overlays/ngram")
+    assert code == 0, err
+    assert [c["dir"] for c in calls] == [str(tmp_path / "models" / "target")]
+    assert not (tmp_path / "models" / "draft").exists()
+
+
+# --- replicas and autoscaling ------------------------------------------------------------------
+
+
+def _bounds(group: dict) -> tuple[int, int, int]:
+    return group["minReplicas"], group["replicas"], group["maxReplicas"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_worker_group_bounds_match_the_heads_replica_settings(variant):
+    cluster = one(rendered(variant), "RayCluster")
+    by_name = groups(cluster)
+    env = env_values(ray_container(by_name["head"]))
+    lowest, start, highest = (int(env[f"SPECDEC_{x}REPLICAS"]) for x in ("MIN_", "", "MAX_"))
+    assert 1 <= lowest <= start <= highest
+    # One target pod per target replica: KubeRay's bounds are specdec's.
+    assert _bounds(by_name["target"]) == (lowest, start, highest)
+    if env["SPECDEC_DRAFT"] in ("ngram", "none"):
+        assert _bounds(by_name["draft"]) == (0, 0, 0)  # no draft worker at all
+    elif env.get("SPECDEC_DRAFT_REPLICAS"):
+        shared = int(env["SPECDEC_DRAFT_REPLICAS"])
+        assert _bounds(by_name["draft"]) == (shared, shared, shared)
+    else:  # one draft worker per target replica
+        assert _bounds(by_name["draft"]) == (lowest, start, highest)
+    for name in ("target", "draft"):
+        assert by_name[name]["maxReplicas"] >= by_name[name]["replicas"] >= by_name[name]["minReplicas"] >= 0
+
+
+def test_in_tree_autoscaling_is_on_and_keeps_idle_gpu_pods_a_while():
+    spec = _raycluster()["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    options = spec["autoscalerOptions"]
+    assert options["upscalingMode"] in ("Default", "Aggressive", "Conservative")
+    # Longer than it takes to start a GPU pod and load a model again, so that load coming back a
+    # minute later does not pay for that.
+    assert options["idleTimeoutSeconds"] >= 120
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(options["resources"][kind])
+    assert options["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_replica_settings_reach_specdec_serve_through_its_environment():
+    env = env_values(_ray_container(_groups()["head"]))
+    assert env["SPECDEC_DRAFT_PLACEMENT"] in ("colocated", "spread")
+    assert 0 < float(env["SPECDEC_KV_MEMORY_FRACTION"]) <= 1
+    script = _script(_ray_container(_groups()["head"]))
+    # `specdec serve` reads SPECDEC_* itself; a flag on the command line would override the env.
+    for flag in ("--replicas", "--min-replicas", "--max-replicas", "--draft-placement"):
+        assert flag not in script
+
+
+# --- overlays ----------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _changed_paths(a, b, path: str = "") -> set[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return set().union(*(_changed_paths(a.get(k, _MISSING), b.get(k, _MISSING), f"{path}/{k}")
+                             for k in a.keys() | b.keys()))
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return set().union(*(_changed_paths(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b))))
+    return set() if a == b else {path}
+
+
+def _by_key(docs: list[dict]) -> dict[str, dict]:
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+WORKER_NODE_SELECTORS = {"/spec/workerGroupSpecs/0/template/spec/nodeSelector",
+                         "/spec/workerGroupSpecs/1/template/spec/nodeSelector"}
+OVERLAY_CHANGES = {
+    "storage-class": {"PersistentVolumeClaim/specdec-models": {"/spec/storageClassName"}},
+    "gpu-operator": {"RayCluster/specdec": WORKER_NODE_SELECTORS},
+    "gpu-node-label": {"RayCluster/specdec": WORKER_NODE_SELECTORS},
+    "ngram": {"RayCluster/specdec": {"/spec/headGroupSpec/template/spec/containers/0/env/1/value",
+                                     "/spec/headGroupSpec/template/spec/initContainers/0/env/1/value",
+                                     "/spec/workerGroupSpecs/1/replicas", "/spec/workerGroupSpecs/1/minReplicas",
+                                     "/spec/workerGroupSpecs/1/maxReplicas"}},
+    "podmonitor": {"PodMonitor/specdec": {""}, "NetworkPolicy/specdec-metrics": {""}},  # "": added
+}
+
+
+def test_every_overlay_is_covered_here():
+    assert set(OVERLAYS) == set(OVERLAY_CHANGES)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAY_CHANGES))
+def test_each_overlay_changes_only_what_it_is_for(overlay):
+    base, changed = _by_key(rendered(BASE)), _by_key(rendered(f"overlays/{overlay}"))
+    diff = {key: paths for key in base.keys() | changed.keys()
+            if (paths := _changed_paths(base.get(key, _MISSING), changed.get(key, _MISSING)))}
+    assert diff == OVERLAY_CHANGES[overlay]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_rendered_object_lands_in_the_specdec_namespace(variant):
+    for doc in rendered(variant):
+        assert doc["metadata"].get("namespace") == "specdec", (variant, doc["kind"], doc["metadata"]["name"])
+
+
+def test_gpu_overlays_pin_both_worker_groups_and_never_the_head():
+    for overlay, selector in [("gpu-operator", {"nvidia.com/gpu.present": "true"}),
+                              ("gpu-node-label", None)]:
+        by_name = groups(one(rendered(f"overlays/{overlay}"), "RayCluster"))
+        chosen = {name: by_name[name]["template"]["spec"].get("nodeSelector") for name in by_name}
+        assert chosen["head"] is None and chosen["target"] == chosen["draft"], (overlay, chosen)
+        if selector:
+            assert chosen["target"] == selector
+        else:  # a plain label of the operator's choosing, not the GPU Operator's
+            assert chosen["target"] and not any(k.startswith("nvidia.com/") for k in chosen["target"])
+
+
+def test_ngram_overlay_drafts_in_the_coordinator_with_no_draft_pods():
+    by_name = groups(one(rendered("overlays/ngram"), "RayCluster"))
+    assert env_values(ray_container(by_name["head"]))["SPECDEC_DRAFT"] == "ngram"
+    assert _bounds(by_name["draft"]) == (0, 0, 0)
+    assert _bounds(by_name["target"]) == _bounds(_groups()["target"])
+
+
+def test_storage_class_overlay_names_a_class_for_the_rwx_volume():
+    pvc = one(rendered("overlays/storage-class"), "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+# --- disruption budget and metrics -------------------------------------------------------------
+
+
+def test_disruption_budget_lets_one_worker_pod_go_at_a_time_and_leaves_the_head_alone():
+    pdb = _one("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    selector = pdb["spec"]["selector"]
+    assert _selector_matches(selector, _pod_labels("target")) and _selector_matches(selector, _pod_labels("draft"))
+    assert not _selector_matches(selector, _pod_labels("head"))
+
+
+def test_podmonitor_scrapes_the_coordinator_with_the_token_and_ray_on_every_pod():
+    docs = rendered("overlays/podmonitor")
+    monitor = one(docs, "PodMonitor")
+    cluster = one(docs, "RayCluster")
+    endpoints = {e["port"]: e for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert set(endpoints) == {"http", "metrics"}
+    for name, group in groups(cluster).items():
+        labels = _pod_labels(name, cluster)
+        assert _selector_matches(monitor["spec"]["selector"], labels), name
+        ports = {p["name"]: p["containerPort"] for p in ray_container(group)["ports"]}
+        assert ports["metrics"] == int(group["rayStartParams"]["metrics-export-port"]), name
+        if name == "head":
+            assert ports["http"] == HTTP_PORT  # the coordinator's /metrics
+    credentials = endpoints["http"]["authorization"]["credentials"]
+    assert endpoints["http"]["authorization"]["type"] == "Bearer"
+    assert credentials["name"] == _secret()["metadata"]["name"] and credentials["key"] in _secret()["stringData"]
+    assert all(e["path"] == "/metrics" for e in endpoints.values())
+
+
+def test_podmonitor_overlay_lets_prometheus_reach_ray_metrics_from_its_namespace():
+    docs = rendered("overlays/podmonitor")
+    policy = one(docs, "NetworkPolicy", "specdec-metrics")
+    cluster = one(docs, "RayCluster")
+    ray_metrics = int(_groups()["head"]["rayStartParams"]["metrics-export-port"])
+    for name in groups(cluster):
+        assert _selector_matches(policy["spec"]["podSelector"], _pod_labels(name, cluster)), name
+    (rule,) = policy["spec"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [ray_metrics]
+    (peer,) = rule["from"]
+    assert set(peer) == {"namespaceSelector"}  # Prometheus' namespace, not everyone
 
 
 # --- placement and resources -------------------------------------------------------------------

@@ -469,6 +469,7 @@ OVERLAY_CHANGES = {
                                      "/spec/workerGroupSpecs/1/replicas", "/spec/workerGroupSpecs/1/minReplicas",
                                      "/spec/workerGroupSpecs/1/maxReplicas"}},
     "podmonitor": {"PodMonitor/specdec": {""}, "NetworkPolicy/specdec-metrics": {""}},  # "": added
+    "next-cluster": {"RayCluster/specdec": {""}, "RayCluster/specdec-next": {""}},  # renamed
 }
 
 
@@ -512,6 +513,33 @@ def test_ngram_overlay_drafts_in_the_coordinator_with_no_draft_pods():
 def test_storage_class_overlay_names_a_class_for_the_rwx_volume():
     pvc = one(rendered("overlays/storage-class"), "PersistentVolumeClaim")
     assert pvc["spec"]["storageClassName"] and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_next_cluster_serves_beside_the_first_behind_the_same_service_and_policies():
+    """During an upgrade both RayClusters run: the Service reaches both heads, and each cluster's
+    pods can talk Ray and worker gRPC among themselves as the first cluster's do."""
+    first = _raycluster()
+    (second,) = [d for d in rendered("overlays/next-cluster") if d["kind"] == "RayCluster"]
+    assert second["metadata"]["name"] != first["metadata"]["name"]
+    assert _changed_paths(first["spec"], second["spec"]) == set()
+    selector = {"matchLabels": _one("Service")["spec"]["selector"]}
+    for cluster in (first, second):
+        assert _selector_matches(selector, _pod_labels("head", cluster))
+        head = _pod_labels("head", cluster)
+        for worker in ("target", "draft"):
+            labels = _pod_labels(worker, cluster)
+            assert _allowed(_worker_port(worker), labels, head)
+            assert _allowed(int(first["spec"]["workerGroupSpecs"][0]["rayStartParams"]["node-manager-port"]),
+                            labels, _pod_labels("draft" if worker == "target" else "target", cluster))
+        assert _allowed(int(cluster["spec"]["headGroupSpec"]["rayStartParams"]["port"]), head,
+                        _pod_labels("target", cluster))
+        assert _selector_matches(_one("PodDisruptionBudget")["spec"]["selector"], _pod_labels("target", cluster))
+
+
+def test_raycluster_groups_leave_kuberay_the_options_it_sets_itself():
+    assert [g["groupName"] for g in _raycluster()["spec"]["workerGroupSpecs"]] == ["target", "draft"]
+    for name, group in _groups().items():
+        assert "block" not in group["rayStartParams"] and "address" not in group["rayStartParams"], name
 
 
 # --- disruption budget and metrics -------------------------------------------------------------

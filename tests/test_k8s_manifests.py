@@ -430,6 +430,33 @@ def test_in_tree_autoscaling_is_on_and_keeps_idle_gpu_pods_a_while():
     assert options["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+# What each specdec actor asks Ray for (specdec/app/ray_actors.py): the coordinator on the head,
+# one target / draft worker per GPU pod of its group.
+ACTOR_DEMANDS = {"headgroup": {"specdec_coordinator": 1}, "target": {"GPU": 1, "specdec_target": 1},
+                 "draft": {"GPU": 1, "specdec_draft": 1}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rays_autoscaler_reads_the_groups_as_specdec_needs_them(variant):
+    """Ray's own translation of the RayCluster into its autoscaler's node types (what the KubeRay
+    autoscaler sidecar runs): each actor's demand fits exactly one node type, and the bounds are
+    the head's replica settings."""
+    kuberay = pytest.importorskip("ray.autoscaler._private.kuberay.autoscaling_config")
+    cluster = one(rendered(variant), "RayCluster")
+    config = kuberay._derive_autoscaling_config_from_ray_cr(cluster)
+    node_types = config["available_node_types"]
+    assert set(node_types) == set(ACTOR_DEMANDS)
+    for actor, demand in ACTOR_DEMANDS.items():
+        fits = [name for name, node in node_types.items()
+                if all(node["resources"].get(k, 0) >= v for k, v in demand.items())]
+        assert fits == [actor], (actor, fits)
+    by_name = groups(cluster)
+    for name in ("target", "draft"):
+        assert (node_types[name]["min_workers"], node_types[name]["max_workers"]) == \
+            (by_name[name]["minReplicas"], by_name[name]["maxReplicas"])
+    assert config["idle_timeout_minutes"] * 60 == cluster["spec"]["autoscalerOptions"]["idleTimeoutSeconds"]
+
+
 def test_replica_settings_reach_specdec_serve_through_its_environment():
     env = env_values(_ray_container(_groups()["head"]))
     assert env["SPECDEC_DRAFT_PLACEMENT"] in ("colocated", "spread")

@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from functools import cache
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k8s_render import BASE, K8S, OVERLAYS, REPO, VARIANTS, env_values, groups, one, ray_container, rendered
+from k8s_render import BASE, K8S, OVERLAYS, REPO, VARIANTS, env_values, groups, kubectl, one, ray_container, rendered
 
 PUBLIC_PORT = 50051
 HTTP_PORT = 8000
@@ -397,9 +398,9 @@ def _bounds(group: dict) -> tuple[int, int, int]:
     return group["minReplicas"], group["replicas"], group["maxReplicas"]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_worker_group_bounds_match_the_heads_replica_settings(variant):
-    cluster = one(rendered(variant), "RayCluster")
+def _check_replica_bounds(cluster: dict) -> None:
+    """The worker groups' replicas / minReplicas / maxReplicas are what `specdec serve` will ask
+    for, given the head's replica settings."""
     by_name = groups(cluster)
     env = env_values(ray_container(by_name["head"]))
     lowest, start, highest = (int(env[f"SPECDEC_{x}REPLICAS"]) for x in ("MIN_", "", "MAX_"))
@@ -413,8 +414,39 @@ def test_worker_group_bounds_match_the_heads_replica_settings(variant):
         assert _bounds(by_name["draft"]) == (shared, shared, shared)
     else:  # one draft worker per target replica
         assert _bounds(by_name["draft"]) == (lowest, start, highest)
-    for name in ("target", "draft"):
-        assert by_name[name]["maxReplicas"] >= by_name[name]["replicas"] >= by_name[name]["minReplicas"] >= 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_worker_group_bounds_match_the_heads_replica_settings(variant):
+    _check_replica_bounds(one(rendered(variant), "RayCluster"))
+
+
+def _readme_kustomizations() -> list[dict]:
+    """The kustomization examples in k8s/README.md (YAML blocks with patches or resources)."""
+    text = (K8S / "README.md").read_text()
+    blocks = [yaml.safe_load(textwrap.dedent(b)) for b in re.findall(r"^ *```yaml\n(.*?)^ *```", text, re.M | re.S)]
+    return [b for b in blocks if isinstance(b, dict) and ("patches" in b or "resources" in b)]
+
+
+def test_readme_kustomization_examples_build_and_keep_the_bounds_consistent(tmp_path):
+    """What k8s/README.md tells operators to write builds against the base (its `test` operations
+    pass, so the indices it patches are right) and leaves the replica bounds consistent."""
+    examples = _readme_kustomizations()
+    assert len(examples) >= 4, "the models, scale, overlay and TLS examples"
+    shutil.copytree(K8S, tmp_path / "k8s")
+    overlay = tmp_path / "my-cluster"
+    overlay.mkdir()
+    scaled = []
+    for example in examples:
+        example = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                   "resources": ["../k8s/base"], **example}
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump(example))
+        result = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, f"{example}\n{result.stderr}"
+        cluster = one([d for d in yaml.safe_load_all(result.stdout) if d], "RayCluster")
+        _check_replica_bounds(cluster)
+        scaled.append(_bounds(groups(cluster)["target"]))
+    assert (2, 2, 8) in scaled, "the scale example sets 2..8 replicas"
 
 
 def test_in_tree_autoscaling_is_on_and_keeps_idle_gpu_pods_a_while():

@@ -16,7 +16,7 @@ FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# Must equal spec.rayVersion in k8s/raycluster.yaml; every pod runs this same image.
+# Must equal spec.rayVersion in k8s/base/raycluster.yaml; every pod runs this same image.
 ARG RAY_VERSION=2.60.0
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -49,7 +49,7 @@ RUN pip install /opt/specdec \
  && ln -s /opt/venv/bin/specdec /opt/venv/bin/ray /usr/local/bin/ \
  && python -c "import torch, ray, specdec, coordinator, draft_worker, target_worker; print('torch', torch.__version__, 'ray', ray.__version__)"
 
-# Non-root; the UID matches runAsUser in k8s/raycluster.yaml (1000 is taken by 'ubuntu').
+# Non-root; the UID matches runAsUser in k8s/base/raycluster.yaml (1000 is taken by 'ubuntu').
 RUN useradd --uid 10001 --user-group --create-home --shell /bin/bash specdec
 USER 10001
 WORKDIR /home/specdec

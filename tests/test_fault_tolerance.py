@@ -3,7 +3,7 @@ pause, with exactly the tokens of an uninterrupted run (greedy and seeded sample
 
 One Ray instance and one deployment for the module (Ray start-up is the slow part here). The
 worker processes are killed with SIGKILL, as a crash would kill them, not through Ray. The Ray
-node carries the custom resources of the KubeRay layout (k8s/raycluster.yaml: specdec_coordinator,
+node carries the custom resources of the KubeRay layout (k8s/base/raycluster.yaml: specdec_coordinator,
 specdec_target, specdec_draft, one each), so the actors are placed the way they are in a cluster,
 and a restarted worker must get its resource back.
 """

@@ -23,7 +23,7 @@ SIGTERM / SIGINT drain: the server refuses new requests (UNAVAILABLE), in-flight
 completion for up to --grace-period seconds, then the actors stop, Ray shuts down if this command
 started it, and the exit status is 0. A second signal exits at once (status 1).
 
-On a cluster whose nodes carry specdec_* resources (k8s/raycluster.yaml) the command first waits
+On a cluster whose nodes carry specdec_* resources (k8s/base/raycluster.yaml) the command first waits
 for the target/draft worker nodes (--worker-wait), and each actor goes to its own node. A worker
 whose process dies (or hangs past --worker-round-timeout) is restarted by Ray (--max-restarts) on
 the same port, and the coordinator resumes its in-flight requests where they were: the clients
@@ -258,7 +258,7 @@ def _ray_init(config: ServiceConfig, quiet: bool):
 def _plan_gpus(ray, config: ServiceConfig, started: bool, stop=None) -> float | None:
     """GPUs per worker actor (None: one each), after waiting for the worker nodes of a cluster.
 
-    A cluster laid out for specdec (custom resources specdec_*, as in k8s/raycluster.yaml) gets
+    A cluster laid out for specdec (custom resources specdec_*, as in k8s/base/raycluster.yaml) gets
     its worker nodes waited for (worker_wait) and one GPU per worker. Otherwise two GPU workers
     on a single machine with one GPU share it (0.5 each) rather than wait forever; on a multi-node
     cluster they are never made to share, since more GPU nodes may still be joining."""

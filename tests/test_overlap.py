@@ -33,7 +33,8 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 def models(tmp_path_factory):
     target = build_checkpoint(tmp_path_factory.mktemp("overlap-target"), seed=0, initializer_range=0.1,
                               **CONFIGS["gqa_untied"])
-    draft = perturbed_copy(target, tmp_path_factory.mktemp("overlap-draft"), noise=0.2)
+    # Close to the target: whole rounds are often accepted (pre-drafts kept), and often not.
+    draft = perturbed_copy(target, tmp_path_factory.mktemp("overlap-draft"), noise=0.05)
     return str(target), str(draft)
 
 

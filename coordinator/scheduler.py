@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.errors import WorkerUnavailable
 from coordinator.predraft import PreDraft, concat_proposals
+from coordinator.predraft_gate import PreDraftGate
 from coordinator.request import Request, RequestStats, RunningRequest
 from coordinator.round_costs import RoundCosts, measure_round_costs
 from coordinator.round_report import RequestUpdate, RoundReport
@@ -89,6 +90,7 @@ class Scheduler:
             self._overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
         self._pending: dict[str, PreDraft] = {}  # pre-drafts awaiting this round's verdict
         self._ready: dict[str, PreDraft] = {}  # pre-drafts whose assumption the last verdict confirmed
+        self.predraft_gate = PreDraftGate()  # pre-draft only requests whose pre-drafts are kept often
         # Running means that bound an unseeded request's pre-draft to what hides behind a verify.
         self._verify_mean = self._draft_step_mean = None
 
@@ -198,6 +200,7 @@ class Scheduler:
             self.policy.forget(req_id)
         self._pending.pop(req_id, None)
         self._ready.pop(req_id, None)
+        self.predraft_gate.forget(req_id)
 
     # -- the round --------------------------------------------------------------------------
     def _cap(self, run: RunningRequest) -> int:
@@ -435,7 +438,8 @@ class Scheduler:
             if proposal is None or not proposal.tokens:
                 continue
             after = self._predraft_length(run, asked[run.request.req_id], len(proposal.tokens))
-            if after == 0:
+            if after == 0 or not self.predraft_gate.admits(run.request.req_id, run.request.params.greedy,
+                                                           self._seeded(run)):
                 continue
             tasks.append(DraftTask(req_id=run.request.req_id, new_tokens=run.unsent_to_draft,
                                    num_speculative_tokens=after + 1, params=run.request.params,
@@ -483,6 +487,7 @@ class Scheduler:
         pre = self._pending.pop(req_id, None)
         if pre is None:
             return
+        self.predraft_gate.observe(req_id, self.running[req_id].request.params.greedy, committed == pre.expected)
         if committed == pre.expected:
             self._ready[req_id] = pre
             report.predraft_hits += 1

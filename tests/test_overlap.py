@@ -14,6 +14,7 @@ import pytest
 
 from coordinator.errors import WorkerUnavailable
 from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from coordinator.predraft_gate import PROBE_EVERY, PreDraftGate
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler
 from draft_worker import grpc_server as draft_server
@@ -23,7 +24,7 @@ from specdec.config import SchedulerConfig
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy, use_policy
+from checkpoints import CONFIGS, build_checkpoint, perturbed_copy, predraft_always, use_policy
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -92,6 +93,7 @@ def test_greedy_with_overlap_is_the_target_output_in_process(models, plain_outpu
     engine = LocalEngine(models[0], draft=models[1] if drafter == "model" else "ngram", num_speculative_tokens=4,
                          adaptive=False, overlap=True, on_round=tally)
     use_policy(engine, policy)
+    predraft_always(engine.scheduler)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert tally.kept > 0 and tally.hits > 0, "no pre-draft was kept: the overlap path was not exercised"
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)
@@ -105,7 +107,8 @@ def test_greedy_with_overlap_is_the_target_output_over_grpc_workers(models, plai
     dserver, dport = draft_server.serve(draft_worker)
     target, draft = GrpcTargetClient(f"127.0.0.1:{tport}"), GrpcDraftClient(f"127.0.0.1:{dport}")
     try:
-        sched = Scheduler(target, draft, None, SchedulerConfig(num_speculative_tokens=4, adaptive=False, overlap=True))
+        sched = predraft_always(Scheduler(target, draft, None,
+                                          SchedulerConfig(num_speculative_tokens=4, adaptive=False, overlap=True)))
         for i, prompt in enumerate(PROMPTS):
             sched.add_request(Request(f"g{i}", prompt, GREEDY))
         outputs, tally = {f"g{i}": [] for i in range(len(PROMPTS))}, Tally()
@@ -131,6 +134,7 @@ def test_seeded_requests_are_reproducible_under_random_delays_with_overlap(model
     it computes (the step waits for both); the result is also the serial rounds' result."""
     def run(overlap: bool, delays: int | None) -> list[list[int]]:
         engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=overlap)
+        predraft_always(engine.scheduler)
         if delays is not None:
             rng = random.Random(delays)
             engine.scheduler.draft = SlowWorker(engine.scheduler.draft, rng, "propose")
@@ -146,7 +150,7 @@ def test_seeded_requests_are_reproducible_under_random_delays_with_overlap(model
 def test_requests_joining_leaving_and_cancelled_mid_pipeline_leave_no_state_or_blocks(models, plain_outputs):
     engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=True,
                          max_batch_size=8)
-    sched = engine.scheduler
+    sched = predraft_always(engine.scheduler)
     outputs: dict[str, list[int]] = {}
     cancelled = set()
     rng = random.Random(3)
@@ -196,9 +200,36 @@ def test_draft_lost_during_a_pre_draft_costs_speculation_not_output(models, plai
     monkeypatch.setattr("coordinator.worker_health.FIRST_BACKOFF_S", 0.0)  # retry the draft at once
     engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=True,
                          worker_recovery_timeout=5.0)
+    predraft_always(engine.scheduler)
     engine.scheduler.draft = failing = PreDraftFails(engine.scheduler.draft, times=2)
     tally = Tally()
     engine.on_round = tally
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert failing.failed == 2 and tally.kept > 0  # overlap came back after the draft did
+    assert_no_blocks_held(engine.target_worker, engine.draft_worker)
+
+
+def test_the_gate_stops_pre_drafting_requests_whose_pre_drafts_are_dropped_but_probes_them():
+    gate = PreDraftGate()
+    assert gate.admits("a", greedy=True, seeded=False)  # the prior gives a new request a chance
+    tried = 0
+    for _ in range(40):
+        if gate.admits("a", greedy=True, seeded=False):
+            tried += 1
+            gate.observe("a", greedy=True, hit=False)
+    assert 3 <= tried <= 40 // PROBE_EVERY + 4  # a few tries, then a probe every PROBE_EVERY rounds
+    for _ in range(10):
+        gate.observe("b", greedy=True, hit=True)
+    assert gate.admits("b", greedy=True, seeded=False)
+    # A seeded request's decisions depend on its own verdicts only, not on the others' record.
+    fresh = PreDraftGate()
+    assert gate.hit_rate("s", greedy=False, seeded=True) == fresh.hit_rate("s", greedy=False, seeded=True)
+
+
+def test_greedy_with_the_real_gate_is_the_target_output(models, plain_outputs):
+    tally = Tally()
+    engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=True,
+                         on_round=tally)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert tally.predrafted > 0
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 
 from specdec import LocalEngine, SamplingParams
 
-from checkpoints import build_checkpoint, perturbed_copy, use_policy
+from checkpoints import build_checkpoint, perturbed_copy, predraft_always, use_policy
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -137,6 +137,7 @@ def test_overlapped_rounds_follow_target_distribution(models, drafter, params_na
     kept = []
     engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=1, max_batch_size=1000,
                          adaptive=False, overlap=True, on_round=lambda report: kept.append(report.predraft_kept))
+    predraft_always(engine.scheduler)
     sp = [SamplingParams(max_new_tokens=new, ignore_eos=True, seed=5000 + i, **params) for i in range(SAMPLES)]
     samples = [tuple(o.token_ids) for o in engine.generate([PROMPT] * SAMPLES, sp)]
     assert chi_square_pvalue(samples, dist) > 1e-3

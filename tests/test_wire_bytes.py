@@ -36,7 +36,7 @@ from specdec.v1 import worker_pb2
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import build_checkpoint, perturbed_copy
+from checkpoints import PreDraftAlways, build_checkpoint, perturbed_copy
 
 VOCAB, K, MAX_Q = 4096, 4, 256
 SEQS, TOKENS = 4, 24
@@ -91,6 +91,7 @@ def run_rounds(workers, params: SamplingParams | list[SamplingParams], overlap: 
         sched = Scheduler(target, draft, None,
                           SchedulerConfig(num_speculative_tokens=K, max_batch_size=SEQS, adaptive=False,
                                           overlap=overlap))
+        sched.predraft_gate = PreDraftAlways()  # every round pre-drafts: the most messages overlap sends
         for i, prompt in enumerate(PROMPTS):
             sched.add_request(Request(f"r{i}", prompt, dataclasses.replace(params[i], seed=i)))
         metrics = RoundMetrics(wire={"draft": draft.wire, "target": target.wire}, export=False)

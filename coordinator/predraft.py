@@ -28,17 +28,20 @@ class PreDraft:
     expected: list[int]  # what round r must commit for a hit: d1..dk and the guess g
     after: DraftProposal  # the tokens drafted after g, with their q rows (None for greedy)
     asked: int  # tokens asked for after g: a proposal of up to this K is served whole
+    length: int  # the sequence's length once `expected` is committed: where `after` starts
 
     @staticmethod
-    def split(assumed: list[int], asked: int, proposal: DraftProposal) -> PreDraft | None:
-        """From a pre-draft's reply; None when the draft made no guess (an n-gram miss)."""
+    def split(assumed: list[int], asked: int, proposal: DraftProposal, length: int) -> PreDraft | None:
+        """From a pre-draft's reply (`length`: the sequence's committed length when it was sent);
+        None when the draft made no guess (an n-gram miss)."""
         if not proposal.tokens:
             return None
         q = proposal.q
         after_q = None if q is None else SparseDist(token_ids=q.token_ids[1:], probs=q.probs[1:])
         after = DraftProposal(req_id=proposal.req_id, tokens=proposal.tokens[1:], q=after_q,
                               draft_forward_passes=proposal.draft_forward_passes)
-        return PreDraft(expected=assumed + proposal.tokens[:1], after=after, asked=asked - 1)
+        return PreDraft(expected=assumed + proposal.tokens[:1], after=after, asked=asked - 1,
+                        length=length + len(assumed) + 1)
 
     def complete_for(self, k: int) -> bool:
         """Does this pre-draft hold the whole proposal of a round that asks for k tokens? Also

@@ -14,6 +14,10 @@ Terms:
   pre-drafted depends on their own tokens only (the verdicts), never on batch mates.
 - a request is pre-drafted while its hit rate is at least THRESHOLD[greedy]; below it, one probe
   every PROBE_EVERY rounds keeps the estimate alive (acceptance drifts within a request).
+- a batch: one draft call serves the whole batch, and it takes as many steps as the longest
+  proposal still missing; pre-drafts spare that call only if *every* request's pre-draft is kept,
+  with probability about the product of their hit rates. Below BATCH_THRESHOLD only seeded
+  sampled requests are pre-drafted (by their own rule, which must not depend on batch mates).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ SEEDED_PRIOR = 0.5
 INITIAL_PRIOR = 0.5
 THRESHOLD = {True: 0.3, False: 0.45}  # by greedy: a sampled pre-draft costs more (q rows both ways)
 PROBE_EVERY = 8
+BATCH_THRESHOLD = 0.3
 
 
 @dataclass
@@ -60,6 +65,19 @@ class PreDraftGate:
             return True
         record.rounds_off += 1
         return False
+
+    def select(self, candidates: list[tuple[str, bool, bool]]) -> set[str]:
+        """The requests to pre-draft this round, of candidates (req_id, greedy, seeded): every
+        request that proposes this round and has room for a next one."""
+        admitted = {req_id for req_id, greedy, seeded in candidates if self.admits(req_id, greedy, seeded)}
+        if len(candidates) < 2:
+            return admitted
+        all_kept = 1.0
+        for req_id, greedy, seeded in candidates:
+            all_kept *= self.hit_rate(req_id, greedy, seeded) if req_id in admitted else 0.0
+        if all_kept >= BATCH_THRESHOLD:
+            return admitted
+        return {req_id for req_id, _, seeded in candidates if seeded and req_id in admitted}
 
     def observe(self, req_id: str, greedy: bool, hit: bool) -> None:
         self._records.setdefault(req_id, _Record()).add(hit)

@@ -378,6 +378,8 @@ class Scheduler:
             if run.num_speculative_tokens == 0:
                 continue
             k, ready = asked[req_id], self._ready.pop(req_id, None)
+            if ready is not None and ready.length != len(run.request.prompt_ids) + len(run.generated):
+                ready = None  # (defensive) tokens were committed since the verdict that kept it
             assumed = []
             if ready is not None and k > 0:
                 if ready.complete_for(k):
@@ -432,18 +434,23 @@ class Scheduler:
         (future, tasks, releases, start time) or None."""
         if self._overlap is None:
             return None
-        tasks = []
+        lengths = {}
         for run in runs:
             proposal = proposals.get(run.request.req_id)
             if proposal is None or not proposal.tokens:
                 continue
             after = self._predraft_length(run, asked[run.request.req_id], len(proposal.tokens))
-            if after == 0 or not self.predraft_gate.admits(run.request.req_id, run.request.params.greedy,
-                                                           self._seeded(run)):
+            if after > 0:
+                lengths[run.request.req_id] = after
+        chosen = self.predraft_gate.select([(run.request.req_id, run.request.params.greedy, self._seeded(run))
+                                            for run in runs if run.request.req_id in lengths])
+        tasks = []
+        for run in runs:
+            if run.request.req_id not in chosen:
                 continue
             tasks.append(DraftTask(req_id=run.request.req_id, new_tokens=run.unsent_to_draft,
-                                   num_speculative_tokens=after + 1, params=run.request.params,
-                                   assumed_tokens=list(proposal.tokens)))
+                                   num_speculative_tokens=lengths[run.request.req_id] + 1, params=run.request.params,
+                                   assumed_tokens=list(proposals[run.request.req_id].tokens)))
             run.unsent_to_draft = []
         if not tasks:
             return None
@@ -478,8 +485,12 @@ class Scheduler:
         if not verified:
             return
         for task, reply in zip(tasks, replies):
-            pre = PreDraft.split(task.assumed_tokens, task.num_speculative_tokens, reply)
-            if pre is not None and task.req_id in self.running:
+            run = self.running.get(task.req_id)
+            if run is None:
+                continue
+            pre = PreDraft.split(task.assumed_tokens, task.num_speculative_tokens, reply,
+                                 len(run.request.prompt_ids) + len(run.generated))
+            if pre is not None:
                 self._pending[task.req_id] = pre
 
     def _verdict(self, req_id: str, committed: list[int], report: RoundReport) -> None:

@@ -162,8 +162,8 @@ class PreDraftAlways:
     """A pre-draft gate that admits every request every round, so tests exercise overlapped
     rounds whatever the hit rate (the real gate turns pre-drafts off where they rarely pay)."""
 
-    def admits(self, req_id: str, greedy: bool, seeded: bool) -> bool:
-        return True
+    def select(self, candidates: list[tuple[str, bool, bool]]) -> set[str]:
+        return {req_id for req_id, _, _ in candidates}
 
     def observe(self, req_id: str, greedy: bool, hit: bool) -> None:
         pass

@@ -221,15 +221,24 @@ def test_the_gate_stops_pre_drafting_requests_whose_pre_drafts_are_dropped_but_p
     for _ in range(10):
         gate.observe("b", greedy=True, hit=True)
     assert gate.admits("b", greedy=True, seeded=False)
+    # In a batch, pre-drafts spare the draft call only if all are kept: rates of 0.6 in a batch
+    # of 4 (0.13 < BATCH_THRESHOLD) pre-draft only the seeded request, by its own rule.
+    batch = PreDraftGate()
+    for req_id in "wxyz":
+        for hit in (True, True, True, False, False):
+            batch.observe(req_id, greedy=True, hit=hit)
+    assert batch.select([("w", True, False), ("x", True, False), ("y", True, False), ("z", False, True)]) == {"z"}
+    assert batch.select([("w", True, False)]) == {"w"}
     # A seeded request's decisions depend on its own verdicts only, not on the others' record.
     fresh = PreDraftGate()
     assert gate.hit_rate("s", greedy=False, seeded=True) == fresh.hit_rate("s", greedy=False, seeded=True)
 
 
 def test_greedy_with_the_real_gate_is_the_target_output(models, plain_outputs):
+    """One request at a time (the gate pre-drafts a batch only when all of it is likely kept)."""
     tally = Tally()
     engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=True,
-                         on_round=tally)
+                         on_round=tally, max_batch_size=1)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert tally.predrafted > 0
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)

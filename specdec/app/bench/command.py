@@ -260,9 +260,14 @@ def run(args) -> int:
             f"tokens) from {set_files[name]}")
     log(f"specdec bench: {max_new} new tokens each, K={k}, batch sizes {batch_sizes}, {args.threads} threads")
     if args.overlap_only:
-        _, text = overlap_bench.run_section(args, target, draft, prompt_sets, modes, batch_sizes, k, max_new,
-                                            kv_blocks, log)
+        rows, text = overlap_bench.run_section(args, target, draft, prompt_sets, modes, batch_sizes, k, max_new,
+                                               kv_blocks, log)
         print(text)
+        from specdec.app.bench import report
+
+        report.write_json(out_dir / "overlap.json", {"command": " ".join(shlex.quote(a) for a in sys.argv),
+                                                     "load_average": [load_at_start, _load_average()],
+                                                     "overlap": [dataclasses.asdict(r) for r in rows]})
         print(f"\nload average (1, 5, 15 min): {_format_load(load_at_start)} at start, "
               f"{_format_load(_load_average())} at end, on {os.cpu_count()} CPUs")
         return 0

@@ -88,6 +88,7 @@ class OverlapRun:
     hits: int = 0
     misses: int = 0
     phases: dict = field(default_factory=dict)  # summed seconds: draft, verify, predraft, wait, total
+    outputs: list = field(default_factory=list)  # each prompt's generated tokens, in prompt order
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,6 +105,7 @@ def _drive(scheduler, prompts, params, prefix: str, run: OverlapRun, wires) -> N
         for req_id, prompt in zip(ids, prompts[start:start + run.batch]):
             scheduler.add_request(Request(req_id=req_id, prompt_ids=list(prompt), params=params))
         left = set(ids)
+        generated = {req_id: [] for req_id in ids}
         while left:
             report = scheduler.step()
             run.tokens += report.committed_tokens
@@ -119,10 +121,13 @@ def _drive(scheduler, prompts, params, prefix: str, run: OverlapRun, wires) -> N
                                     ("total", report.total_seconds)]:
                     run.phases[name] = run.phases.get(name, 0.0) + value
             for update in report.updates:
+                if update.req_id in generated:
+                    generated[update.req_id] += update.token_ids
                 if update.finished:
                     if update.error:
                         raise RuntimeError(f"bench request {update.req_id} failed: {update.error}")
                     left.discard(update.req_id)
+        run.outputs += [generated[req_id] for req_id in ids]
     while scheduler.has_work():  # deliver the releases
         scheduler.step()
     run.wire_bytes = sum(w.bytes_sent + w.bytes_received for w in wires) - before

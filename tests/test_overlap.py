@@ -14,7 +14,9 @@ import pytest
 
 from coordinator.errors import WorkerUnavailable
 from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from coordinator.metrics import RoundMetrics
 from coordinator.predraft_gate import PROBE_EVERY, PreDraftGate
+from coordinator.prometheus_metrics import PrometheusMetrics
 from coordinator.request import Request
 from coordinator.scheduler import Scheduler
 from draft_worker import grpc_server as draft_server
@@ -96,6 +98,7 @@ def test_greedy_with_overlap_is_the_target_output_in_process(models, plain_outpu
     predraft_always(engine.scheduler)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert tally.kept > 0 and tally.hits > 0, "no pre-draft was kept: the overlap path was not exercised"
+    assert tally.misses > 0 or drafter == "ngram"  # dropped pre-drafts too (a close, not identical, draft)
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)
     assert not engine.scheduler._pending and not engine.scheduler._ready
 
@@ -236,9 +239,20 @@ def test_the_gate_stops_pre_drafting_requests_whose_pre_drafts_are_dropped_but_p
 
 def test_greedy_with_the_real_gate_is_the_target_output(models, plain_outputs):
     """One request at a time (the gate pre-drafts a batch only when all of it is likely kept)."""
-    tally = Tally()
+    tally, metrics, prometheus = Tally(), RoundMetrics(export=False), PrometheusMetrics()
+
+    def on_round(report):
+        tally(report), metrics(report), prometheus.on_round(report)
+
     engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=True,
-                         on_round=tally, max_batch_size=1)
+                         on_round=on_round, max_batch_size=1)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert tally.predrafted > 0
+    # The metrics see the same: the kept fraction in the snapshot, both counters on /metrics.
+    snap = metrics.snapshot()
+    assert (snap["predraft_tokens"], snap["predraft_kept"]) == (tally.predrafted, tally.kept)
+    assert snap["predraft_kept_fraction"] == tally.kept / tally.predrafted
+    text = prometheus.render().decode()
+    assert f"specdec_predraft_tokens_total {float(tally.predrafted)}" in text
+    assert f"specdec_predraft_kept_total {float(tally.kept)}" in text
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)

@@ -13,6 +13,7 @@ step's RoundReport. It records:
 - finished requests by reason (counter, tag `reason`) and per-request acceptance (histogram)
 - resumed requests by worker (counter: carried on after a lost worker came back) and whether each
   worker answers (gauge `specdec_worker_up`, tag `worker`)
+- overlapped drafting: pre-drafted tokens and those kept (counters; snapshot: the kept fraction)
 - bytes on the wire to and from the workers, when given the gRPC clients' WireCounters (in-process
   workers have none): per round (histogram and last-round gauges, tags `direction` = sent |
   received and `worker` = draft | target | all) and cumulative (counter)
@@ -84,6 +85,9 @@ class _RayInstruments:
         self.proposed = counter("specdec_draft_tokens_proposed", "Draft tokens sent to the target for verification")
         self.accepted = counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted")
         self.rounds = counter("specdec_rounds", "Speculation rounds (one target forward pass each)")
+        self.predraft_tokens = counter("specdec_predraft_tokens", "Tokens asked of pre-drafts (overlapped drafting)")
+        self.predraft_kept = counter("specdec_predraft_kept", "Pre-drafted tokens used: confirmed bonus guesses "
+                                     "and proposals")
         self.finished = counter("specdec_requests_finished", "Finished requests by finish reason", ("reason",))
         self.resumed = counter("specdec_requests_resumed", "Requests carried on after a lost worker came back, "
                                "by worker", ("worker",))
@@ -157,7 +161,7 @@ class RoundMetrics:
         self.totals = {"generated_tokens": 0, "proposed": 0, "accepted": 0, "rounds": 0, "finished": {},
                        "round_seconds": {}, "queue_depth": 0, "running": 0, "kv_blocks_used": 0,
                        "kv_blocks_total": 0, "wire_bytes": {}, "wire_bytes_last_round": {}, "resumed": {},
-                       "workers_down": [], "replicas": {}}
+                       "workers_down": [], "replicas": {}, "predraft_tokens": 0, "predraft_kept": 0}
         self._wire = WireDeltas(wire) if wire else None
         self._wire_pending: dict[str, tuple[int, int]] = {}
         export = ray_is_initialized() if export is None else export
@@ -206,6 +210,8 @@ class RoundMetrics:
             t["proposed"] += proposed
             t["accepted"] += accepted
             t["rounds"] += int(report.ran)
+            t["predraft_tokens"] += report.predraft_tokens
+            t["predraft_kept"] += report.predraft_kept
             for reason, _ in finished:
                 t["finished"][reason] = t["finished"].get(reason, 0) + 1
             t["round_seconds"].update(phases)
@@ -239,6 +245,10 @@ class RoundMetrics:
             r.accepted.inc(accepted)
         if report.ran:
             r.rounds.inc(1)
+        if report.predraft_tokens:
+            r.predraft_tokens.inc(report.predraft_tokens)
+        if report.predraft_kept:
+            r.predraft_kept.inc(report.predraft_kept)
         for reason, rate in finished:
             r.finished.inc(1, tags={"reason": reason})
             if rate is not None:
@@ -293,5 +303,7 @@ class RoundMetrics:
         snap["tokens_per_second"] = tokens / span
         snap["acceptance_rate"] = (snap["accepted"] / snap["proposed"]) if snap["proposed"] else None
         snap["window_acceptance_rate"] = accepted / proposed if proposed else None
+        snap["predraft_kept_fraction"] = (snap["predraft_kept"] / snap["predraft_tokens"]
+                                          if snap["predraft_tokens"] else None)
         snap["exporting"] = self.exporting
         return snap

@@ -48,6 +48,10 @@ class PrometheusMetrics:
         self.proposed = Counter("specdec_draft_tokens_proposed", "Draft tokens proposed to the target", registry=r)
         self.accepted = Counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted", registry=r)
         self.rounds = Counter("specdec_rounds", "Rounds that ran a target forward pass", registry=r)
+        self.predraft_tokens = Counter("specdec_predraft_tokens", "Tokens asked of pre-drafts (overlapped "
+                                       "drafting)", registry=r)
+        self.predraft_kept = Counter("specdec_predraft_kept", "Pre-drafted tokens used: confirmed bonus guesses "
+                                     "and proposals", registry=r)
         Gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens since start (NaN: none proposed)",
               registry=r).set_function(lambda: _ratio(self._totals[1], self._totals[0]))
         Gauge("specdec_mean_accepted_length", "Tokens committed per target forward pass over a request, since "
@@ -84,6 +88,8 @@ class PrometheusMetrics:
         self.proposed.inc(proposed)
         self.accepted.inc(accepted)
         self.rounds.inc(int(report.ran))
+        self.predraft_tokens.inc(report.predraft_tokens)
+        self.predraft_kept.inc(report.predraft_kept)
         replica = str(report.replica)
         for phase, seconds in report.phase_seconds.items():
             self.round_seconds.labels(phase).observe(seconds)

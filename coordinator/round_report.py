@@ -51,6 +51,14 @@ class RoundReport:
     resumed: dict[str, list[str]] = field(default_factory=dict)
     workers_down: list[str] = field(default_factory=list)  # workers lost at the end of the step
     replica: int = 0  # which target replica's scheduler ran the step (coordinator.router)
+    # Overlapped drafting (coordinator.predraft). draft_seconds above is the serial draft call only.
+    worker_calls: int = 0  # messages (request + reply) exchanged with the workers in the step
+    predraft_tokens: int = 0  # tokens asked of this step's pre-draft call (guesses g included)
+    predraft_kept: int = 0  # pre-drafted tokens this round used: the confirmed guesses g + proposals
+    predraft_hits: int = 0  # requests whose pre-draft's assumption this round's verdict confirmed
+    predraft_misses: int = 0  # requests whose pre-draft it refuted (dropped)
+    predraft_seconds: float = 0.0  # the pre-draft call, concurrent with verify_seconds
+    predraft_wait_seconds: float = 0.0  # the step waited this long for the pre-draft after the verify
 
     @property
     def overhead_seconds(self) -> float:

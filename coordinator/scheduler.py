@@ -17,15 +17,24 @@ With several replicas (coordinator.router) a request can also move: `evict` take
 scheduler with its committed tokens, stream and policy state, and another replica's scheduler
 `adopt`s it, re-feeding prompt + committed tokens as a fresh first round, exactly as after a lost
 target: the same tokens follow.
+
+Overlapped drafting (config.overlap): beside each verify call the draft gets a pre-draft task
+(coordinator.predraft) on a one-thread executor, so both workers compute at once; its result is
+collected before step() returns, so nothing is in flight between steps (a request may be aborted
+or a worker lost between them) and the work a step does depends on the tokens, never on timing.
+A pre-draft is used only when the verdict committed exactly what it assumed.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.errors import WorkerUnavailable
+from coordinator.predraft import PreDraft, concat_proposals
+from coordinator.predraft_gate import PreDraftGate
 from coordinator.request import Request, RequestStats, RunningRequest
 from coordinator.round_costs import RoundCosts, measure_round_costs
 from coordinator.round_report import RequestUpdate, RoundReport
@@ -83,6 +92,14 @@ class Scheduler:
                 costs = measure_round_costs(target, draft, self.max_seq_len, config.max_batch_size,
                                             config.num_speculative_tokens)
             self.policy = SpeculationPolicy(costs, reference_draft_cost(self.target_info, self.draft_info))
+        self._overlap = None  # the one thread that sends pre-drafts while the target verifies
+        if config.overlap and draft is not None and config.num_speculative_tokens > 0:
+            self._overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
+        self._pending: dict[str, PreDraft] = {}  # pre-drafts awaiting this round's verdict
+        self._ready: dict[str, PreDraft] = {}  # pre-drafts whose assumption the last verdict confirmed
+        self.predraft_gate = PreDraftGate()  # pre-draft only requests whose pre-drafts are kept often
+        # Running means that bound an unseeded request's pre-draft to what hides behind a verify.
+        self._verify_mean = self._draft_step_mean = None
 
     # -- admission ------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -238,6 +255,9 @@ class Scheduler:
             self._release_draft.append(req_id)
         if self.policy is not None:
             self.policy.forget(req_id)
+        self._pending.pop(req_id, None)
+        self._ready.pop(req_id, None)
+        self.predraft_gate.forget(req_id)
 
     # -- the round --------------------------------------------------------------------------
     def _cap(self, run: RunningRequest) -> int:
@@ -278,7 +298,7 @@ class Scheduler:
         report.total_seconds = time.perf_counter() - start
         if self.policy is not None and report.ran:
             self.policy.observe(report, greedy)
-        report.queue_depth, report.running = len(self.waiting), len(self.running)
+        report.queue_depth, report.running = self.queue_depth, len(self.running)
         report.workers_down = [h.role for h in (self.target_health, self.draft_health) if not h.up]
         report.kv_blocks_used, report.kv_blocks_total = self.kv_blocks_used, self.target_info.kv_blocks_total
         return report
@@ -299,7 +319,7 @@ class Scheduler:
         asked = self._choose(runs) if drafting else {run.request.req_id: 0 for run in runs}
         start = time.perf_counter()
         try:
-            proposals = self._draft_round(runs, asked) if drafting else {}
+            proposals = self._draft_round(runs, asked, report) if drafting else {}
             if drafting and self.draft_health.back():
                 report.resumed["draft"] = [r.request.req_id for r in runs if r.num_speculative_tokens > 0]
         except WorkerUnavailable as exc:  # rounds go on without speculation meanwhile
@@ -323,6 +343,7 @@ class Scheduler:
                 draft_tokens=proposal.tokens if proposal else [],
                 q=proposal.q if proposal else None,
                 params=run.request.params))
+        predraft = self._send_predraft(runs, asked, proposals, report) if drafting else None
         finished, self._release_target = self._release_target, []
         start = time.perf_counter()
         try:
@@ -331,12 +352,16 @@ class Scheduler:
             # The releases may not have reached the worker: send them again next round
             # (workers ignore ids they do not know, e.g. after a restart).
             self._release_target = finished + self._release_target
+            self._collect_predraft(predraft, report, verified=False)
             if isinstance(exc, WorkerUnavailable):  # its requests wait for it to come back
                 self._target_lost(exc)
                 return
             report.updates += self._fail_all(runs, exc)  # it broke on this round: end its requests
             return
         report.verify_seconds = time.perf_counter() - start
+        report.worker_calls += 1
+        self._verify_mean = _mean_update(self._verify_mean, report.verify_seconds)
+        self._collect_predraft(predraft, report, verified=True)
         if self.target_health.back():
             report.resumed["target"] = [run.request.req_id for run in runs if run.generated]
         report.ran = True
@@ -358,6 +383,7 @@ class Scheduler:
             run.stats.accepted += outcome.num_accepted
             if proposal is not None:
                 run.stats.draft_forward_passes += proposal.draft_forward_passes
+            self._verdict(outcome.req_id, outcome.tokens, report)
             update = self._commit(run, outcome.tokens)
             update.num_speculative_tokens = asked[outcome.req_id]
             update.proposed, update.accepted = proposed, outcome.num_accepted
@@ -379,6 +405,8 @@ class Scheduler:
         """Every request the target held is gone there: release it, and re-admit it with all of
         its committed tokens on the next round that reaches the target."""
         self.target_health.lost(exc)
+        self._pending.clear()
+        self._ready.clear()
         for req_id, run in self.running.items():
             if run.started_target:
                 run.started_target = False
@@ -389,32 +417,167 @@ class Scheduler:
         """The draft's copies of the sequences are gone (or stale): when it answers again, each
         request is released there and sent its whole context."""
         self.draft_health.lost(exc)
+        self._pending.clear()
+        self._ready.clear()
         for req_id, run in self.running.items():
             if run.num_speculative_tokens > 0:
                 run.unsent_to_draft = run.request.prompt_ids + run.generated
                 if req_id not in self._release_draft:
                     self._release_draft.append(req_id)
 
-    def _draft_round(self, runs: list[RunningRequest], asked: dict[str, int]) -> dict[str, DraftProposal]:
-        """One draft call, only when some request drafts this round or releases are due; tokens
-        committed meanwhile reach the drafter with its next task."""
-        if self.draft is None or not (any(asked.values()) or self._release_draft):
+    def _draft_round(self, runs: list[RunningRequest], asked: dict[str, int],
+                     report: RoundReport) -> dict[str, DraftProposal]:
+        """One draft call, only when some request needs drafting this round (a confirmed pre-draft
+        may already hold its proposal) or releases are due; tokens committed meanwhile reach the
+        drafter with its next task."""
+        if self.draft is None:
             return {}
+        proposals: dict[str, DraftProposal] = {}
+        heads: dict[str, DraftProposal] = {}  # confirmed pre-drafts that a serial task extends
         tasks = []
         for run in runs:
+            req_id = run.request.req_id
             if run.num_speculative_tokens == 0:
                 continue
-            tasks.append(DraftTask(req_id=run.request.req_id, new_tokens=run.unsent_to_draft,
-                                   num_speculative_tokens=asked[run.request.req_id], params=run.request.params))
+            k, ready = asked[req_id], self._ready.pop(req_id, None)
+            if ready is not None and ready.length != len(run.request.prompt_ids) + len(run.generated):
+                ready = None  # (defensive) tokens were committed since the verdict that kept it
+            assumed = []
+            if ready is not None and k > 0:
+                if ready.complete_for(k):
+                    proposals[req_id] = ready.take(k)
+                    report.predraft_kept += len(proposals[req_id].tokens)
+                    continue
+                heads[req_id] = ready.take(ready.asked)  # the rest is drafted after its tokens
+                assumed, k = heads[req_id].tokens, k - ready.asked
+                report.predraft_kept += len(assumed)
+            tasks.append(DraftTask(req_id=req_id, new_tokens=run.unsent_to_draft, num_speculative_tokens=k,
+                                   params=run.request.params, assumed_tokens=assumed))
+        if not (any(t.num_speculative_tokens for t in tasks) or self._release_draft):
+            return proposals
         finished, self._release_draft = self._release_draft, []
+        start = time.perf_counter()
         try:
-            proposals = self.draft.propose(tasks, finished)
+            replies = self.draft.propose(tasks, finished)
         except Exception:
             self._release_draft = finished + self._release_draft
             raise
+        report.worker_calls += 1
+        steps = max(t.num_speculative_tokens for t in tasks) if tasks else 0
+        if steps:
+            self._draft_step_mean = _mean_update(self._draft_step_mean, (time.perf_counter() - start) / steps)
+        for task in tasks:
+            self.running[task.req_id].unsent_to_draft = []
+        for reply in replies:
+            head = heads.get(reply.req_id)
+            proposals[reply.req_id] = reply if head is None else concat_proposals(head, reply)
+        return proposals
+
+    # -- overlapped drafting --------------------------------------------------------------------
+    def _predraft_length(self, run: RunningRequest, k: int, proposed: int) -> int:
+        """Tokens to pre-draft after the guess g: the request's cap as of after a full acceptance
+        (bounded by what the policy may ask), and for unseeded requests no more draft steps than
+        hide behind a verify call. Seeded sampled requests skip the timing bound: what their
+        draft computes must not depend on timing (not even on float rounding across chunkings)."""
+        after = len(run.generated) + proposed + 1
+        length = len(run.request.prompt_ids) + after
+        remaining = run.request.params.max_new_tokens - after
+        most = max(0, min(run.num_speculative_tokens, remaining - 1, self.max_seq_len - length - 1))
+        if remaining <= 0 or most == 0:
+            return 0
+        if self._seeded(run) or not self._verify_mean or not self._draft_step_mean:
+            return most
+        hidden = int(self._verify_mean / self._draft_step_mean) - 1  # one step guesses g
+        return max(1, min(most, hidden)) if k > 0 else 0
+
+    def _send_predraft(self, runs: list[RunningRequest], asked: dict[str, int],
+                       proposals: dict[str, DraftProposal], report: RoundReport):
+        """Start the pre-draft call for every request that proposes this round; returns
+        (future, tasks, releases, start time) or None."""
+        if self._overlap is None:
+            return None
+        lengths = {}
         for run in runs:
-            run.unsent_to_draft = [] if run.num_speculative_tokens else run.unsent_to_draft
-        return {p.req_id: p for p in proposals}
+            proposal = proposals.get(run.request.req_id)
+            if proposal is None or not proposal.tokens:
+                continue
+            after = self._predraft_length(run, asked[run.request.req_id], len(proposal.tokens))
+            if after > 0:
+                lengths[run.request.req_id] = after
+        chosen = self.predraft_gate.select([(run.request.req_id, run.request.params.greedy, self._seeded(run))
+                                            for run in runs if run.request.req_id in lengths])
+        tasks = []
+        for run in runs:
+            if run.request.req_id not in chosen:
+                continue
+            tasks.append(DraftTask(req_id=run.request.req_id, new_tokens=run.unsent_to_draft,
+                                   num_speculative_tokens=lengths[run.request.req_id] + 1, params=run.request.params,
+                                   assumed_tokens=list(proposals[run.request.req_id].tokens)))
+            run.unsent_to_draft = []
+        if not tasks:
+            return None
+        finished, self._release_draft = self._release_draft, []
+        report.predraft_tokens = sum(t.num_speculative_tokens for t in tasks)
+        start = time.perf_counter()
+        future = self._overlap.submit(_timed, self.draft.propose, tasks, finished)
+        return future, tasks, finished, start
+
+    def _collect_predraft(self, predraft, report: RoundReport, verified: bool) -> None:
+        """Wait for the pre-draft call; file its proposals as pending verdicts. A failed call
+        costs only speculation: the draft's copies of its requests are reset."""
+        if predraft is None:
+            return
+        future, tasks, finished, start = predraft
+        waited = time.perf_counter()
+        try:
+            replies, seconds = future.result()
+        except Exception as exc:  # noqa: BLE001 - the round's verdict stands either way
+            report.predraft_wait_seconds = time.perf_counter() - waited
+            self._release_draft = finished + self._release_draft
+            if isinstance(exc, WorkerUnavailable):
+                self._draft_lost(exc)
+            else:
+                self._reset_draft_copies([t.req_id for t in tasks])
+            return
+        report.predraft_wait_seconds = time.perf_counter() - waited
+        report.predraft_seconds = seconds
+        report.worker_calls += 1
+        self._draft_step_mean = _mean_update(self._draft_step_mean,
+                                             seconds / max(t.num_speculative_tokens for t in tasks))
+        if not verified:
+            return
+        for task, reply in zip(tasks, replies):
+            run = self.running.get(task.req_id)
+            if run is None:
+                continue
+            pre = PreDraft.split(task.assumed_tokens, task.num_speculative_tokens, reply,
+                                 len(run.request.prompt_ids) + len(run.generated))
+            if pre is not None:
+                self._pending[task.req_id] = pre
+
+    def _verdict(self, req_id: str, committed: list[int], report: RoundReport) -> None:
+        """Keep the request's pre-draft for the next round if the target committed what it assumed."""
+        pre = self._pending.pop(req_id, None)
+        if pre is None:
+            return
+        self.predraft_gate.observe(req_id, self.running[req_id].request.params.greedy, committed == pre.expected)
+        if committed == pre.expected:
+            self._ready[req_id] = pre
+            report.predraft_hits += 1
+            report.predraft_kept += 1  # the guess g, committed
+        else:
+            report.predraft_misses += 1
+
+    def _reset_draft_copies(self, req_ids: list[str]) -> None:
+        """The draft's copies of these requests may hold tokens it was not meant to record: drop
+        them there, and send each request's whole context with its next task."""
+        for req_id in req_ids:
+            run = self.running.get(req_id)
+            if run is not None:
+                run.unsent_to_draft = run.request.prompt_ids + run.generated
+            self._pending.pop(req_id, None)
+            if req_id not in self._release_draft:
+                self._release_draft.append(req_id)
 
     def _commit(self, run: RunningRequest, tokens: list[int]) -> RequestUpdate:
         """Apply stop conditions to the committed tokens, in order, and build the update."""
@@ -483,3 +646,12 @@ class Scheduler:
             except Exception:
                 self._release_target = finished + self._release_target
                 self._release_retry_at = time.monotonic() + 1.0
+
+
+def _timed(call, *args):
+    start = time.perf_counter()
+    return call(*args), time.perf_counter() - start
+
+
+def _mean_update(mean: float | None, value: float, weight: float = 0.2) -> float:
+    return value if mean is None else mean + weight * (value - mean)

@@ -1,9 +1,10 @@
 """Drafting with a small model that keeps its own paged KV cache.
 
 Each round the draft learns the tokens the target committed since last time. Its cache holds
-what it fed itself last round (the committed prefix plus its own guesses t1..t_{k-1}); it keeps
-the longest prefix that still agrees with the committed tokens, drops the rest, and feeds the
-remainder in the first of its k batched steps.
+what it fed itself last round (the committed prefix plus its own guesses t1..t_{k-1}, or, after
+a pre-draft, the assumed tokens and the guesses after them); it keeps the longest prefix that
+still agrees with the context, drops the rest, and feeds the remainder in the first of its k
+batched steps.
 """
 from __future__ import annotations
 
@@ -101,29 +102,34 @@ class ModelDrafter(Drafter):
             if self._seqs.pop(req_id, None) is not None:
                 self.runner.cache.free_sequence(req_id)
 
-    def _sync(self, task: DraftTask) -> list[int]:
-        """Record the newly committed tokens; roll the cache back; return what must be fed."""
+    def _sync(self, task: DraftTask) -> tuple[list[int], list[int]]:
+        """Record the newly committed tokens; roll the cache back; return (the context to draft
+        from: committed + assumed tokens, what of it must be fed)."""
         seq = self._seqs.get(task.req_id)
         if seq is None:
             seq = _DraftSequence(params=task.params)
             self._seqs[task.req_id] = seq
             self.runner.cache.add_sequence(task.req_id)
         seq.tokens.extend(task.new_tokens)
-        if not seq.tokens:
+        # Assumed tokens are context for this task only: `tokens` stays the committed ones.
+        context = seq.tokens + task.assumed_tokens
+        if not context:
             raise ValueError(f"request {task.req_id}: the draft needs at least one token of context")
         if task.num_speculative_tokens == 0:
-            return []
-        if len(seq.tokens) + task.num_speculative_tokens > self.runner.max_seq_len:
-            raise ValueError(f"request {task.req_id}: {len(seq.tokens)} tokens + {task.num_speculative_tokens} "
+            return context, []
+        if len(context) + task.num_speculative_tokens > self.runner.max_seq_len:
+            raise ValueError(f"request {task.req_id}: {len(context)} tokens + {task.num_speculative_tokens} "
                              f"speculative tokens exceed the draft's context of {self.runner.max_seq_len}")
         # Keep at least one token to feed: its logits give the first proposal.
-        keep = min(common_prefix_length(seq.fed, seq.tokens), len(seq.tokens) - 1)
+        keep = min(common_prefix_length(seq.fed, context), len(context) - 1)
         self.runner.cache.truncate_to(task.req_id, keep)
-        seq.fed = seq.tokens[:keep]
-        return seq.tokens[keep:]
+        seq.fed = context[:keep]
+        return context, context[keep:]
 
     def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
-        feed = {t.req_id: self._sync(t) for t in tasks}
+        synced = {t.req_id: self._sync(t) for t in tasks}
+        context = {req_id: c for req_id, (c, _) in synced.items()}
+        feed = {req_id: f for req_id, (_, f) in synced.items()}
         wanted = {t.req_id: t.num_speculative_tokens for t in tasks}
         drafted: dict[str, list[int]] = {t.req_id: [] for t in tasks}
         q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.req_id: [] for t in tasks}
@@ -132,7 +138,7 @@ class ModelDrafter(Drafter):
             seqs = [self._seqs[r] for r in ids]
             logits = self.runner.run(ids, [feed[r] for r in ids], [1] * len(ids))
             tokens, q = choose_tokens(torch.cat(logits), [s.params for s in seqs],
-                                      [s.tokens + drafted[r] for r, s in zip(ids, seqs)], self.max_q_entries)
+                                      [context[r] + drafted[r] for r in ids], self.max_q_entries)
             tokens = tokens.tolist()
             for row, (req_id, seq) in enumerate(zip(ids, seqs)):
                 seq.fed.extend(feed[req_id])

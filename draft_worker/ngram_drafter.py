@@ -54,16 +54,28 @@ class NgramDrafter(Drafter):
         for task in tasks:
             tokens = self._tokens.setdefault(task.req_id, [])
             tokens.extend(task.new_tokens)
+            context = tokens + task.assumed_tokens
             draft = []
-            if task.num_speculative_tokens > 0:
-                draft = lookup_continuation(tokens[-self.window:], task.num_speculative_tokens, self.max_ngram,
-                                            self.min_ngram)
+            if task.num_speculative_tokens > 0 and task.assumed_tokens:
+                draft = self._predraft(context, task.num_speculative_tokens)
+            elif task.num_speculative_tokens > 0:
+                draft = self._lookup(context, task.num_speculative_tokens)
             q = None
             if draft and not task.params.greedy:
                 q = SparseDist(token_ids=torch.tensor(draft, dtype=torch.long)[:, None],
                                probs=torch.ones(len(draft), 1))
             proposals.append(DraftProposal(req_id=task.req_id, tokens=draft, q=q, draft_forward_passes=0))
         return proposals
+
+    def _lookup(self, context: list[int], max_tokens: int) -> list[int]:
+        return lookup_continuation(context[-self.window:], max_tokens, self.max_ngram, self.min_ngram)
+
+    def _predraft(self, context: list[int], max_tokens: int) -> list[int]:
+        """A pre-draft: a guess g of the target's next token, then exactly what a task on
+        context + [g] would propose (a later lookup may match elsewhere than the first one did),
+        so that a pre-draft kept after a correct guess is the serial proposal."""
+        guess = self._lookup(context, 1)
+        return guess + self._lookup(context + guess, max_tokens - 1) if guess and max_tokens > 1 else guess
 
     def release(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

@@ -134,6 +134,10 @@ class SchedulerConfig:
     adaptive: bool = setting(True, "choose K per request and round (0 to the maximum) from acceptance and "
                                    "measured costs; no: always the maximum")
     max_batch_size: int = setting(32, "requests per round at most")
+    # Off by default: on the 2-core reference machine it measured slower than serial rounds
+    # (README "Overlapped drafting"); turn it on where draft and target have their own devices.
+    overlap: bool = setting(False, "overlapped drafting: the draft drafts round r+1 while the target verifies "
+                                   "round r, kept only if round r commits what it assumed; no: serial rounds")
     worker_round_timeout: float = setting(
         30.0, "seconds a worker may take to answer one round before it is treated as dead (hung)")
     worker_recovery_timeout: float = setting(

@@ -50,12 +50,17 @@ class DraftTask:
     new_tokens: the tokens committed since this sequence's last round (the whole prompt on its
     first round). The draft appends them to its own copy of the sequence, rolls its KV cache back
     to the longest prefix it still agrees with, and catches up.
+    assumed_tokens: tokens not committed (yet) that the draft should take as context after the
+    committed ones, without recording them: a pre-draft (overlapped drafting) assumes the proposal
+    under verification is accepted. The next task's new_tokens continue the committed tokens, so
+    a wrong assumption costs only the cache entries, which roll back like any stale guess.
     """
 
     req_id: str
     new_tokens: list[int]
     num_speculative_tokens: int
     params: SamplingParams
+    assumed_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -156,3 +156,22 @@ def add_chat_template(path: Path, template: str = CHAT_TEMPLATE) -> Path:
     tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path
+
+
+class PreDraftAlways:
+    """A pre-draft gate that admits every request every round, so tests exercise overlapped
+    rounds whatever the hit rate (the real gate turns pre-drafts off where they rarely pay)."""
+
+    def select(self, candidates: list[tuple[str, bool, bool]]) -> set[str]:
+        return {req_id for req_id, _, _ in candidates}
+
+    def observe(self, req_id: str, greedy: bool, hit: bool) -> None:
+        pass
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+
+def predraft_always(scheduler):
+    scheduler.predraft_gate = PreDraftAlways()
+    return scheduler

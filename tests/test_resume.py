@@ -36,7 +36,7 @@ from specdec.params import SamplingParams
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, build_checkpoint, cheap_drafting_policy, perturbed_copy
+from checkpoints import CONFIGS, build_checkpoint, cheap_drafting_policy, perturbed_copy, predraft_always
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
 GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -74,16 +74,20 @@ class ServedWorker:
         return f"127.0.0.1:{self.port}"
 
 
-@pytest.fixture
-def cluster(models):
+@pytest.fixture(params=[False, True], ids=["serial", "overlap"])
+def cluster(models, request):
     # K fixed (every round drafts, so a lost draft is noticed at once); see also the adaptive case.
+    # Serial and overlapped rounds (a pre-draft beside every verify, so a kill hits one in flight).
     config = ServiceConfig.from_settings(target=models[0], draft=models[1], num_speculative_tokens=4,
                                          adaptive=False, kv_cache_blocks=128, kv_block_size=8,
-                                         worker_round_timeout=2.0, worker_recovery_timeout=30.0)
+                                         worker_round_timeout=2.0, worker_recovery_timeout=30.0,
+                                         overlap=request.param)
     target = ServedWorker(lambda: TargetWorker.from_config(config.target), target_server.serve)
     draft = ServedWorker(lambda: DraftWorker.from_config(config.draft), draft_server.serve)
     clients = [GrpcTargetClient(target.address, 2.0), GrpcDraftClient(draft.address, 2.0)]
     sched = Scheduler(clients[0], clients[1], None, config.scheduler)
+    if request.param:
+        predraft_always(sched)
     yield SimpleNamespace(config=config, target=target, draft=draft, scheduler=sched)
     for client in clients:
         client.close()

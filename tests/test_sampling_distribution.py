@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 
 from specdec import LocalEngine, SamplingParams
 
-from checkpoints import build_checkpoint, perturbed_copy, use_policy
+from checkpoints import build_checkpoint, perturbed_copy, predraft_always, use_policy
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -47,7 +47,7 @@ def models(tmp_path_factory):
     }
 
 
-def exact_distribution(model_dir, params: dict) -> dict[tuple[int, ...], float]:
+def exact_distribution(model_dir, params: dict, new: int = NEW) -> dict[tuple[int, ...], float]:
     model = LlamaForCausalLM.from_pretrained(model_dir).eval()
     processors = LogitsProcessorList()
     if params.get("repetition_penalty", 1.0) != 1.0:
@@ -58,9 +58,9 @@ def exact_distribution(model_dir, params: dict) -> dict[tuple[int, ...], float]:
     if params.get("top_p", 1.0) < 1.0:
         processors.append(TopPLogitsWarper(params["top_p"]))
     dist = {}
-    for seq in itertools.product(range(VOCAB), repeat=NEW):
+    for seq in itertools.product(range(VOCAB), repeat=new):
         prob = 1.0
-        for i in range(NEW):
+        for i in range(new):
             ids = torch.tensor([PROMPT + list(seq[:i])])
             with torch.no_grad():
                 scores = processors(ids, model(ids).logits[:, -1, :])
@@ -120,5 +120,27 @@ def test_sampled_sequences_follow_target_distribution(models, drafter, policy, p
         assert all(r == 1.0 for r in rates)
     if drafter in ("perturbed", "random"):
         assert 0.0 < float(np.mean(rates)) < 1.0  # both paths (accept and resample) were exercised
+    engine.target_worker.cache.check_accounting()
+    assert engine.target_worker.cache.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("params_name", sorted(PARAMS))
+@pytest.mark.parametrize("drafter", ["perturbed", "self"])
+def test_overlapped_rounds_follow_target_distribution(models, drafter, params_name):
+    """Overlapped drafting (the default) with K=1 over 4 tokens: round 2's proposal is the
+    pre-draft made while round 1 was verified whenever round 1 committed what it assumed, so both
+    kept and dropped pre-drafts shape the samples; the joint distribution is still the target's."""
+    params = PARAMS[params_name]
+    new = NEW + 1
+    dist = exact_distribution(models["target"], params, new=new)
+    draft = str(models["target"]) if drafter == "self" else str(models[drafter])
+    kept = []
+    engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=1, max_batch_size=1000,
+                         adaptive=False, overlap=True, on_round=lambda report: kept.append(report.predraft_kept))
+    predraft_always(engine.scheduler)
+    sp = [SamplingParams(max_new_tokens=new, ignore_eos=True, seed=5000 + i, **params) for i in range(SAMPLES)]
+    samples = [tuple(o.token_ids) for o in engine.generate([PROMPT] * SAMPLES, sp)]
+    assert chi_square_pvalue(samples, dist) > 1e-3
+    assert sum(kept) > SAMPLES // 10  # pre-drafts were really kept
     engine.target_worker.cache.check_accounting()
     assert engine.target_worker.cache.allocator.num_used == 0

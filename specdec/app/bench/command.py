@@ -10,6 +10,7 @@ specdec's time went, and the release targets; writes bench.json and bench.png un
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import platform
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.app.bench import overlap as overlap_bench
 from specdec.app.flags import add_settings, format_default, given_settings
 from specdec.config import NGRAM, REPO_ROOT, SHIPPED_DRAFT, SHIPPED_TARGET, ConfigError, ServiceConfig, WorkerConfig
 from specdec.kv_cache import blocks_for_tokens
@@ -101,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke run: 2 prompts per set, 16 new tokens, batch sizes 1,2")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    overlap_bench.add_arguments(parser)
 
 
 def _resolve(path: str) -> str:
@@ -256,6 +259,18 @@ def run(args) -> int:
         log(f"specdec bench: prompt set {name}: {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} "
             f"tokens) from {set_files[name]}")
     log(f"specdec bench: {max_new} new tokens each, K={k}, batch sizes {batch_sizes}, {args.threads} threads")
+    if args.overlap_only:
+        rows, text = overlap_bench.run_section(args, target, draft, prompt_sets, modes, batch_sizes, k, max_new,
+                                               kv_blocks, log)
+        print(text)
+        from specdec.app.bench import report
+
+        report.write_json(out_dir / "overlap.json", {"command": " ".join(shlex.quote(a) for a in sys.argv),
+                                                     "load_average": [load_at_start, _load_average()],
+                                                     "overlap": [dataclasses.asdict(r) for r in rows]})
+        print(f"\nload average (1, 5, 15 min): {_format_load(load_at_start)} at start, "
+              f"{_format_load(_load_average())} at end, on {os.cpu_count()} CPUs")
+        return 0
 
     # -- load every system once ----------------------------------------------------------------
     t0 = time.perf_counter()
@@ -367,6 +382,11 @@ def run(args) -> int:
         if hf_assisted_skipped:
             print("note: HF assisted generation supports batch size 1 only; its batch > 1 rows are n/a")
 
+    overlap_rows = []
+    if args.overlap:
+        overlap_rows, text = overlap_bench.run_section(args, target, draft, prompt_sets, modes, batch_sizes, k,
+                                                       max_new, kv_blocks, log)
+        print(text)
     env["load_average_at_end"] = _load_average()
     first_ids, first_sources = prompt_sets[first_set]
     payload = {
@@ -395,6 +415,7 @@ def run(args) -> int:
         "sweep": [r.to_json() for r in sweep],
         "sweep_baseline": [r.to_json() for r in sweep_baseline],
         "targets": targets,
+        "overlap": [dataclasses.asdict(r) for r in overlap_rows],
     }
     json_path, png_path = out_dir / "bench.json", out_dir / "bench.png"
     report.write_json(json_path, payload)

@@ -70,6 +70,20 @@ class Replica:
         return self.queue_depth + self.routed_since_report
 
 
+def pick_replica(replicas: list[Replica], last_choice: int = -1) -> Replica | None:
+    """The routing rule: among serving replicas the fewest waiting, then the most free KV blocks,
+    ties round-robin (the first index after `last_choice`); with none serving, one that may still
+    serve (loading or restarting, not drained); None if there is no such replica."""
+    candidates = [r for r in replicas if r.serving]
+    if not candidates:
+        candidates = [r for r in replicas if not r.draining and r.thread.start_error is None]
+    if not candidates:
+        return None
+    best = min((r.waiting, -r.kv_blocks_free) for r in candidates)
+    tied = sorted((r for r in candidates if (r.waiting, -r.kv_blocks_free) == best), key=lambda r: r.index)
+    return next((r for r in tied if r.index > last_choice), tied[0])
+
+
 class _AllReady:
     """`ready` of the router: set once every replica started with has been built (or failed)."""
 
@@ -210,16 +224,9 @@ class Router:
     # -- routing ---------------------------------------------------------------------------------------
     def _choose(self) -> Replica | None:
         """Called with the lock held."""
-        candidates = [r for r in self.replicas if r.serving]
-        if not candidates:  # none serves yet: wait on one that is loading or restarting
-            candidates = [r for r in self.replicas if not r.draining and r.thread.start_error is None]
-        if not candidates:
-            return None
-        best = min((r.waiting, -r.kv_blocks_free) for r in candidates)
-        tied = sorted((r for r in candidates if (r.waiting, -r.kv_blocks_free) == best), key=lambda r: r.index)
-        # Round-robin among equals: the first after the replica chosen last.
-        choice = next((r for r in tied if r.index > self._last_choice), tied[0])
-        self._last_choice = choice.index
+        choice = pick_replica(self.replicas, self._last_choice)
+        if choice is not None:
+            self._last_choice = choice.index
         return choice
 
     def _ended(self, req_id: str) -> Replica | None:
@@ -286,7 +293,8 @@ class Router:
     def _scale_step(self) -> None:
         decision = self.policy.decide(time.monotonic(), self.loads(), pending=self._adding)
         if decision.add:
-            self._adding += 1
+            with self._lock:
+                self._adding += 1
             index, self._next_index = self._next_index, self._next_index + 1
             threading.Thread(target=self._add, args=(index,), name=f"specdec-add-replica-{index}",
                              daemon=True).start()
@@ -310,7 +318,8 @@ class Router:
         except Exception:  # noqa: BLE001 - retried on a later decision
             log.exception("autoscaling: could not add replica %d", index)
         finally:
-            self._adding -= 1
+            with self._lock:
+                self._adding -= 1
 
     def _remove(self, replica: Replica) -> None:
         """Drain: no new requests reach it; wait until its requests have ended, then stop it."""

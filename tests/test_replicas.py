@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.router import Replica, Router
+from coordinator.router import Replica, pick_replica
 from coordinator.scale_policy import ReplicaLoad, ScalePolicy
 from coordinator.server import GenerationServer
 from coordinator.server_thread import LOOPBACK_SERVER, ServerThread
@@ -86,14 +86,12 @@ class StubThread:
 
 
 def routed(replicas: list[Replica], n: int) -> list[int]:
-    router = Router.__new__(Router)  # the routing rule alone, without threads
-    router.replicas = replicas
-    router._last_choice = -1
-    out = []
+    """Route n requests in a row (each counts as waiting where it went)."""
+    out, last = [], -1
     for _ in range(n):
-        choice = router._choose()
+        choice = pick_replica(replicas, last)
         choice.routed_since_report += 1
-        out.append(choice.index)
+        out.append(last := choice.index)
     return out
 
 
@@ -206,12 +204,9 @@ def test_in_process_autoscaling_adds_a_replica_under_load_and_drains_it_when_idl
         handle.stop()
 
 
-def test_a_router_with_no_replica_left_refuses_clearly():
+def test_no_replica_is_picked_when_all_are_draining():
     replica = Replica(SimpleNamespace(replica=0, is_ready=True, failure=None, start_error=None), draining=True)
-    router = Router.__new__(Router)
-    router.replicas = [replica]
-    router._last_choice = -1
-    assert router._choose() is None
+    assert pick_replica([replica]) is None
 
 
 # --- a request moved between replicas --------------------------------------------------------------

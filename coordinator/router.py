@@ -162,6 +162,9 @@ class Router:
 
     def submit(self, request: Request, sink: Sink) -> None:
         with self._lock:
+            if request.req_id in self._owner:  # ids are unique across replicas (drafts may be shared)
+                sink.put(ValueError(f"request id {request.req_id!r} is already in use"))
+                return
             replica = self._choose()
             if replica is None:
                 sink.put(RequestUpdate.failure(request.req_id, "no replica can take requests (all are being "

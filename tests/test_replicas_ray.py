@@ -168,3 +168,21 @@ def test_autoscaling_adds_a_replica_on_the_second_node_under_load_and_removes_it
                 time.sleep(0.5)
     finally:
         deployment.drain_and_stop(grace_s=1, timeout_s=30)
+
+
+@pytest.mark.timeout(300)
+def test_two_replicas_share_one_draft_worker_and_stay_exact(cluster, models):
+    from specdec.app.ray_actors import launch
+
+    config = config_for(models, "specdec-shared", replicas=2, draft_replicas=1)
+    engine = LocalEngine(config=dataclasses.replace(config, ray=dataclasses.replace(config.ray, enabled=False)))
+    want = [o.token_ids for o in engine.generate(PROMPTS[:8], PARAMS[:8])]
+    deployment = launch(config)
+    try:
+        first, second = deployment.replicas
+        assert second.draft is None and second.draft_name == first.draft_name == "specdec-shared-draft"
+        assert second.draft_address == first.draft_address
+        assert stream_all(deployment.port, PROMPTS[:8], PARAMS[:8]) == want
+        assert all(r["rounds"] > 0 for r in snapshot(deployment)["replicas"].values())
+    finally:
+        deployment.drain_and_stop(grace_s=1, timeout_s=30)

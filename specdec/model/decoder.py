@@ -83,7 +83,7 @@ class Model:
         """Run the new tokens of `batch` (already given slots in `cache`); return float32 logits
         [M, vocab] for batch.logits_indices."""
         c = self.config
-        x = self.weights.embed[batch.input_ids]
+        x = self.weights.embed.index_select(0, batch.input_ids)
         num_tokens = x.shape[0]
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         cos, sin = self.rotary.lookup(batch.positions)
@@ -104,7 +104,9 @@ class Model:
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = x + project(F.silu(gate) * up, layer.down, layer.down_bias)
-        x = rms_norm(x[batch.logits_indices], self.weights.final_norm, c.rms_norm_eps)
+        if not batch.all_logits:
+            x = x.index_select(0, batch.logits_indices)
+        x = rms_norm(x, self.weights.final_norm, c.rms_norm_eps)
         return (x @ self.weights.lm_head).float()
 
 

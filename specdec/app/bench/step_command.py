@@ -98,8 +98,8 @@ def run(args) -> int:
         print(f"specdec bench-step: {target} has no tokenizer", file=sys.stderr)
         return 2
     # The planted answer's length: the n-gram run then times the copy itself (a real model decides).
-    copy_tokens = len(tokenizer(COPY_ANSWER, add_special_tokens=False)["input_ids"]) if args.target is None \
-        else max_new
+    answer = list(tokenizer(COPY_ANSWER, add_special_tokens=False)["input_ids"])
+    copy_tokens = len(answer) if args.target is None else max_new
     copy_tokens = min(copy_tokens, max_new) if quick else copy_tokens
     k = ServiceConfig().scheduler.num_speculative_tokens
     kv_blocks = 8 * ((len(prompt) + max(max_new, copy_tokens) + k + 2) // 16 + 3) + 8
@@ -131,6 +131,7 @@ def run(args) -> int:
     plain_ms, plain_result = _median_ms_per_token(plain, [prompt], 1, greedy, copy_tokens, runs)
     ngram_ms, ngram_result = _median_ms_per_token(ngram, [prompt], 1, greedy, copy_tokens, runs)
     same = plain_result.outputs == ngram_result.outputs
+    copied = plain_result.outputs[0] == answer[:copy_tokens]  # the model rewrote the paragraph
     load_at_end = _load_average()
 
     # -- report ---------------------------------------------------------------------------------------
@@ -153,7 +154,8 @@ def run(args) -> int:
     print(f"n-gram drafter (K <= {k}, adaptive) on the copy-heavy chat prompt, batch 1, {copy_tokens} new tokens, "
           f"median of {runs}: plain {plain_ms:.1f} ms/token, n-gram {ngram_ms:.1f} ms/token = "
           f"{plain_ms / ngram_ms:.2f}x plain (acceptance {ngram_result.acceptance_rate or 0:.2f}, "
-          f"{ngram_result.mean_accepted_length:.2f} tokens per target pass; same output as plain: {same})")
+          f"{ngram_result.mean_accepted_length:.2f} tokens per target pass; same output as plain: {same}; "
+          f"output is the rewritten paragraph: {copied})")
     print(f"load average (1, 5, 15 min): {load_at_end} at end; {time.perf_counter() - started:.0f} s")
     if args.json:
         payload = {
@@ -166,7 +168,8 @@ def run(args) -> int:
             "generate": {str(b): g for b, g in generate.items()},
             "ngram_copy": {"plain_ms_per_token": plain_ms, "ngram_ms_per_token": ngram_ms,
                            "speedup": plain_ms / ngram_ms, "acceptance_rate": ngram_result.acceptance_rate,
-                           "mean_accepted_length": ngram_result.mean_accepted_length, "same_output": same},
+                           "mean_accepted_length": ngram_result.mean_accepted_length, "same_output": same,
+                           "output_is_rewritten_paragraph": copied},
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")

@@ -18,7 +18,7 @@ from specdec.config import REPO_ROOT, ServiceConfig, describe, parse_setting
 SERVE_SETTINGS = {
     "models": ("target", "draft", "num_speculative_tokens", "adaptive", "device", "dtype", "max_batch_size",
                "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "target_threads", "draft_threads",
-               "max_q_entries", "ngram_max", "ngram_min", "ngram_window"),
+               "packed_weights", "max_q_entries", "ngram_max", "ngram_min", "ngram_window"),
     "network": ("host", "port", "http_port", "tls_cert", "tls_key", "auth_token", "grace_period",
                 "max_concurrent_rpcs"),
     "ray": ("ray", "ray_address", "dashboard_host", "dashboard_port", "name", "worker_host", "worker_cpus",

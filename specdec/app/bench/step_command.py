@@ -83,6 +83,10 @@ def run(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if load_at_start and load_at_start[0] > 0.5 * (os.cpu_count() or 1):
+        log(f"warning: load average {load_at_start[0]:.1f} on {os.cpu_count()} CPUs before starting: other work is "
+            "running, so timings will be noisy; with more threads than free cores every parallel op can stall "
+            "for a scheduler slice (--threads 1 is steadier then)")
     if args.target is None:
         log(f"building or reusing the {shape} checkpoint under {args.cache_dir} ...")
         target = str(build_copy_checkpoint(shape, Path(args.cache_dir)))

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.model import ModelConfig, ModelSourceError, load_model
 from specdec.model.batch import prepare_forward
+from specdec.model.linear import onednn_available
 
 from checkpoints import build_checkpoint
 
@@ -47,6 +48,37 @@ def check_ragged_prefill_decode_and_rollback(model_dir):
     out = ours.forward(prepare_forward(cache, ["a"], [ids[0, 6:30].tolist()], [24]), cache)
     torch.testing.assert_close(out, ref[0, 6:30], atol=2e-4, rtol=1e-4)
     cache.check_accounting()
+
+
+@pytest.mark.parametrize("packed, threads", [(False, 1), (True, 1), (True, 2)])
+def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, packed, threads):
+    """Projections run through MKL ([in, out]) or oneDNN (packed) depending on rows and threads
+    (specdec.model.linear): prefill, single-row decode steps and a batch of decode steps all agree
+    with Hugging Face on each path, biases (Qwen) included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for model_dir in (gqa_target_dir, family_dir):
+            ours = load_model(model_dir, packed_weights=packed)
+            expect_packed = packed and onednn_available(torch.device("cpu"), torch.float32)
+            assert all((p.packed is not None) == expect_packed for p in (ours.weights.lm_head, ours.weights.layers[0].qkv))
+            gen = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, ours.config.vocab_size, (2, 20), generator=gen)
+            ref = hf_logits(model_dir, ids)
+            cache = ours.new_kv_cache(num_blocks=16, block_size=8)
+            for s in "ab":
+                cache.add_sequence(s)
+            out = ours.forward(prepare_forward(cache, ["a"], [ids[0, :12].tolist()], [12]), cache)
+            torch.testing.assert_close(out, ref[0, :12], atol=2e-4, rtol=1e-4)
+            for pos in range(12, 16):  # one row per pass
+                out = ours.forward(prepare_forward(cache, ["a"], [[int(ids[0, pos])]], [1]), cache)
+                torch.testing.assert_close(out[0], ref[0, pos], atol=2e-4, rtol=1e-4)
+            ours.forward(prepare_forward(cache, ["b"], [ids[1, :15].tolist()], [1]), cache)
+            out = ours.forward(prepare_forward(cache, ["a", "b"], [[int(ids[0, 16])], [int(ids[1, 15])]], [1, 1]),
+                               cache)  # two rows
+            torch.testing.assert_close(out, torch.stack([ref[0, 16], ref[1, 15]]), atol=2e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ragged_prefill_decode_and_rollback(target_dir):

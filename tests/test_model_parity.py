@@ -61,7 +61,8 @@ def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, pac
         for model_dir in (gqa_target_dir, family_dir):
             ours = load_model(model_dir, packed_weights=packed)
             expect_packed = packed and onednn_available(torch.device("cpu"), torch.float32)
-            assert all((p.packed is not None) == expect_packed for p in (ours.weights.lm_head, ours.weights.layers[0].qkv))
+            for projection in (ours.weights.lm_head, ours.weights.layers[0].qkv):
+                assert (projection.packed is not None) == expect_packed
             gen = torch.Generator().manual_seed(1)
             ids = torch.randint(0, ours.config.vocab_size, (2, 20), generator=gen)
             ref = hf_logits(model_dir, ids)

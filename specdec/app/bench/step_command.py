@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE),
                         help=f"where built checkpoints are kept and reused (default {DEFAULT_CACHE})")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per generate measurement, "
-                                                                "median reported (default 3)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="timed runs per generate measurement, median reported (default 3); the systems "
+                             "compared take turns")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="tokens per plain generate run (default 64)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size (default 20)")
@@ -48,14 +49,18 @@ def _load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
-def _median_ms_per_token(system, prompts, batch, mode, max_new, runs) -> tuple[float, object]:
-    """Median over `runs` of a system's ms per generated token, and the last run's result."""
-    system.warm_up(prompts, batch, mode, seed=0)
-    values, result = [], None
+def _side_by_side(systems: dict, prompts, batch, mode, max_new, runs) -> dict:
+    """{name: (median ms per generated token over `runs`, the last run's result)} for each system,
+    the runs interleaved (a, b, a, b, ...) so that a shared machine's load hits all of them alike."""
+    for system in systems.values():
+        system.warm_up(prompts, batch, mode, seed=0)
+    times: dict = {name: [] for name in systems}
+    last: dict = {}
     for _ in range(runs):
-        result = system.run(prompts, batch, mode, max_new, seed=0)
-        values.append(1e3 / result.tokens_per_s)
-    return statistics.median(values), result
+        for name, system in systems.items():
+            last[name] = system.run(prompts, batch, mode, max_new, seed=0)
+            times[name].append(1e3 / last[name].tokens_per_s)
+    return {name: (statistics.median(times[name]), last[name]) for name in systems}
 
 
 def run(args) -> int:
@@ -123,17 +128,15 @@ def run(args) -> int:
     hf = HFSystem("hf", target, None, k, model=load_hf(target))
     generate: dict = {}
     for batch in (1, 8):
-        prompts = [prompt] * batch
-        specdec_ms, _ = _median_ms_per_token(plain, prompts, batch, greedy, max_new, runs)
-        hf_ms, _ = _median_ms_per_token(hf, prompts, batch, greedy, max_new, runs)
-        generate[batch] = {"specdec_ms_per_token": specdec_ms, "hf_ms_per_token": hf_ms}
+        measured = _side_by_side({"specdec": plain, "hf": hf}, [prompt] * batch, batch, greedy, max_new, runs)
+        generate[batch] = {"specdec_ms_per_token": measured["specdec"][0], "hf_ms_per_token": measured["hf"][0]}
     del hf
 
     # -- n-gram drafter on the copy-heavy chat prompt ----------------------------------------------
     log("n-gram drafter vs plain on the copy prompt ...")
     ngram = EngineSystem("spec-ngram", target, NGRAM, k, kv_blocks, 8)
-    plain_ms, plain_result = _median_ms_per_token(plain, [prompt], 1, greedy, copy_tokens, runs)
-    ngram_ms, ngram_result = _median_ms_per_token(ngram, [prompt], 1, greedy, copy_tokens, runs)
+    measured = _side_by_side({"plain": plain, "ngram": ngram}, [prompt], 1, greedy, copy_tokens, runs)
+    (plain_ms, plain_result), (ngram_ms, ngram_result) = measured["plain"], measured["ngram"]
     same = plain_result.outputs == ngram_result.outputs
     copied = plain_result.outputs[0] == answer[:copy_tokens]  # the model rewrote the paragraph
     load_at_end = _load_average()

@@ -162,3 +162,27 @@ def test_sliding_window_smaller_than_the_context_is_refused(tmp_path):
                                max_window_layers=0, max_position_embeddings=256, **shape)
     with pytest.raises(ValueError, match=r"window 100 < context 256"):
         load_model(sliding)
+
+
+def test_lone_sequence_in_consecutive_blocks_is_read_without_a_gather(gqa_target_dir):
+    """One sequence whose blocks are consecutive: attention views its keys in place (kv_start)
+    and gets exactly the logits the gather gives; freed blocks come back in ascending order, so a
+    later lone sequence is consecutive again."""
+    import dataclasses
+
+    ours = load_model(gqa_target_dir)
+    cache = ours.new_kv_cache(num_blocks=16, block_size=4)
+    cache.add_sequence("x")
+    cache.append_slots("x", 9)  # blocks 0-2, then freed: the next sequence reuses them
+    cache.free_sequence("x")
+    cache.add_sequence("a")
+    prompt = list(range(3, 17))
+    ours.forward(prepare_forward(cache, ["a"], [prompt], [1]), cache)
+    assert cache.block_table("a") == [0, 1, 2, 3]
+    batch = prepare_forward(cache, ["a"], [[5]], [1])
+    assert batch.kv_start == 0
+    viewed = ours.forward(batch, cache)
+    gathered = ours.forward(dataclasses.replace(batch, kv_start=None), cache)  # same slot, rewritten
+    assert torch.equal(viewed, gathered)
+    torch.testing.assert_close(viewed[0], hf_logits(gqa_target_dir, torch.tensor([prompt + [5]]))[0, -1],
+                               atol=2e-4, rtol=1e-4)

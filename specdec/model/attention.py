@@ -35,6 +35,8 @@ def gather_keys(cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """cache [blocks, bs, Hkv, D] -> each sequence's keys (or values) [B, Hkv, L, D]."""
     num_seqs, length = batch.kv_slots.shape
     flat = cache.view(-1, *cache.shape[2:])  # [blocks * bs, Hkv, D]
+    if batch.kv_start is not None:  # one sequence in consecutive blocks: a view
+        return flat[batch.kv_start:batch.kv_start + length].unsqueeze(0).transpose(1, 2)
     return flat.index_select(0, batch.kv_slots.view(-1)).view(num_seqs, length, *cache.shape[2:]).transpose(1, 2)
 
 
@@ -43,7 +45,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, H, D] (already rotated); mask from attention_mask(batch); returns [T, H, D].
 
     Each sequence's cached keys are gathered through batch.kv_slots into a padded [B, Hkv, L, D]
-    tensor (with no mask, exactly the one sequence's keys).
+    tensor (with no mask, exactly the one sequence's keys), or viewed in place (batch.kv_start).
     """
     num_seqs, qmax = batch.token_index.shape
     heads, dim = q.shape[1], q.shape[2]

@@ -23,6 +23,9 @@ class ForwardBatch:
     # sequence's tail points at some slot and is masked): every layer gathers its keys with one
     # index_select through it instead of re-deriving them from the block tables.
     kv_slots: torch.Tensor
+    # With one sequence whose blocks are consecutive, its keys are the flat cache rows kv_start ..
+    # kv_start + L - 1: attention reads them as a view, with no gather at all (None otherwise).
+    kv_start: int | None
     token_index: torch.Tensor  # [B, Qmax] index into [T] (T = a zero padding row)
     token_rows: torch.Tensor  # [T] row of each token in the flattened padded [B * Qmax] layout
     query_positions: torch.Tensor  # [B, Qmax] absolute positions (0 for padding)
@@ -68,12 +71,18 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     block_size = cache.block_size
     in_block = torch.arange(block_size, device=device)
     kv_slots = (block_tables[:, :, None] * block_size + in_block).flatten(1)[:, :context_len]
+    kv_start = None
+    if len(seq_ids) == 1:
+        table = cache.block_table(seq_ids[0])
+        if table == list(range(table[0], table[0] + len(table))):
+            kv_start = table[0] * block_size
     return ForwardBatch(
         input_ids=tensor(input_ids),
         positions=tensor(positions),
         slots=tensor(slots),
         block_tables=block_tables,
         kv_slots=kv_slots.contiguous(),
+        kv_start=kv_start,
         token_index=tensor(token_index),
         token_rows=tensor(token_rows),
         query_positions=tensor(query_positions),

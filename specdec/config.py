@@ -63,6 +63,9 @@ class WorkerConfig:
         0.9, "on CUDA, unless kv_cache_blocks is set: the share of the accelerator memory still free after "
              "the weights that the KV cache takes (like other servers' GPU memory utilisation); on CPU the "
              "fixed default size applies")
+    packed_weights: bool = setting(
+        True, "on CPU, also keep a oneDNN-packed copy of every weight matrix for passes of several tokens "
+              "(batches, verify passes, prompts): about 2x faster there, twice the weight memory")
 
     role = "worker"  # names the fields in error messages
 
@@ -76,6 +79,8 @@ class WorkerConfig:
         _positive(f"{self.role}.num_threads", self.num_threads, optional=True)
         _check(isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1,
                f"{self.role}.kv_memory_fraction", "a number in (0, 1]", self.kv_memory_fraction)
+        _check(isinstance(self.packed_weights, bool), f"{self.role}.packed_weights", "true or false",
+               self.packed_weights)
 
     @property
     def resolved_dtype(self) -> str:

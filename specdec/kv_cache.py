@@ -44,7 +44,9 @@ class BlockAllocator:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
+        # Pushed in reverse, so a freed run of blocks is handed out again in ascending order: a lone
+        # sequence then keeps consecutive blocks, which attention reads without a gather.
+        for b in reversed(blocks):
             if self._is_free[b]:
                 raise AssertionError(f"KV block {b} freed twice")
             self._is_free[b] = True

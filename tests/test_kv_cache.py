@@ -305,7 +305,7 @@ def test_failed_pass_leaves_cache_unchanged(checkpoints):
     assert _snapshot(cache) == before
     cache.check_accounting()
     # a pass that fails inside the model (token id outside the vocabulary) after slots were given
-    with pytest.raises(IndexError, match="out of bounds"):
+    with pytest.raises(IndexError, match="out of (bounds|range)"):
         runner.run(["a"], [[VOCAB + 7]], [1])
     assert _snapshot(cache) == before
     passes = runner.forward_passes

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.model import ModelConfig, ModelSourceError, load_model
 from specdec.model.batch import prepare_forward
+from specdec.model.linear import onednn_available
 
 from checkpoints import build_checkpoint
 
@@ -47,6 +48,38 @@ def check_ragged_prefill_decode_and_rollback(model_dir):
     out = ours.forward(prepare_forward(cache, ["a"], [ids[0, 6:30].tolist()], [24]), cache)
     torch.testing.assert_close(out, ref[0, 6:30], atol=2e-4, rtol=1e-4)
     cache.check_accounting()
+
+
+@pytest.mark.parametrize("packed, threads", [(False, 1), (True, 1), (True, 2)])
+def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, packed, threads):
+    """Projections run through MKL ([in, out]) or oneDNN (packed) depending on rows and threads
+    (specdec.model.linear): prefill, single-row decode steps and a batch of decode steps all agree
+    with Hugging Face on each path, biases (Qwen) included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for model_dir in (gqa_target_dir, family_dir):
+            ours = load_model(model_dir, packed_weights=packed)
+            expect_packed = packed and onednn_available(torch.device("cpu"), torch.float32)
+            for projection in (ours.weights.lm_head, ours.weights.layers[0].qkv):
+                assert (projection.packed is not None) == expect_packed
+            gen = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, ours.config.vocab_size, (2, 20), generator=gen)
+            ref = hf_logits(model_dir, ids)
+            cache = ours.new_kv_cache(num_blocks=16, block_size=8)
+            for s in "ab":
+                cache.add_sequence(s)
+            out = ours.forward(prepare_forward(cache, ["a"], [ids[0, :12].tolist()], [12]), cache)
+            torch.testing.assert_close(out, ref[0, :12], atol=2e-4, rtol=1e-4)
+            for pos in range(12, 16):  # one row per pass
+                out = ours.forward(prepare_forward(cache, ["a"], [[int(ids[0, pos])]], [1]), cache)
+                torch.testing.assert_close(out[0], ref[0, pos], atol=2e-4, rtol=1e-4)
+            ours.forward(prepare_forward(cache, ["b"], [ids[1, :15].tolist()], [1]), cache)
+            out = ours.forward(prepare_forward(cache, ["a", "b"], [[int(ids[0, 16])], [int(ids[1, 15])]], [1, 1]),
+                               cache)  # two rows
+            torch.testing.assert_close(out, torch.stack([ref[0, 16], ref[1, 15]]), atol=2e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ragged_prefill_decode_and_rollback(target_dir):
@@ -129,3 +162,27 @@ def test_sliding_window_smaller_than_the_context_is_refused(tmp_path):
                                max_window_layers=0, max_position_embeddings=256, **shape)
     with pytest.raises(ValueError, match=r"window 100 < context 256"):
         load_model(sliding)
+
+
+def test_lone_sequence_in_consecutive_blocks_is_read_without_a_gather(gqa_target_dir):
+    """One sequence whose blocks are consecutive: attention views its keys in place (kv_start)
+    and gets exactly the logits the gather gives; freed blocks come back in ascending order, so a
+    later lone sequence is consecutive again."""
+    import dataclasses
+
+    ours = load_model(gqa_target_dir)
+    cache = ours.new_kv_cache(num_blocks=16, block_size=4)
+    cache.add_sequence("x")
+    cache.append_slots("x", 9)  # blocks 0-2, then freed: the next sequence reuses them
+    cache.free_sequence("x")
+    cache.add_sequence("a")
+    prompt = list(range(3, 17))
+    ours.forward(prepare_forward(cache, ["a"], [prompt], [1]), cache)
+    assert cache.block_table("a") == [0, 1, 2, 3]
+    batch = prepare_forward(cache, ["a"], [[5]], [1])
+    assert batch.kv_start == 0
+    viewed = ours.forward(batch, cache)
+    gathered = ours.forward(dataclasses.replace(batch, kv_start=None), cache)  # same slot, rewritten
+    assert torch.equal(viewed, gathered)
+    torch.testing.assert_close(viewed[0], hf_logits(gqa_target_dir, torch.tensor([prompt + [5]]))[0, -1],
+                               atol=2e-4, rtol=1e-4)

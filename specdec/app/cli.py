@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": ("specdec.app.serve", "start the service (Ray + gRPC); no arguments = embedded default"),
     "generate": ("specdec.app.generate", "stream a completion from a running server to the terminal"),
     "bench": ("specdec.app.bench.command", "benchmark speculative vs plain decoding and Hugging Face"),
+    "bench-step": ("specdec.app.bench.step_command", "decode step vs its physical floor and vs HF (real shape)"),
     "loadtest": ("specdec.app.loadtest", "bounded concurrent-stream load test: latency, throughput, no loss, KV freed"),
 }
 

@@ -19,11 +19,19 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] absolute position of each token in its sequence
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) to write K/V into
     block_tables: torch.Tensor  # [B, max_blocks]
+    # [B, L] flat cache slot of each sequence's key positions 0..L-1 (L = context_len; a shorter
+    # sequence's tail points at some slot and is masked): every layer gathers its keys with one
+    # index_select through it instead of re-deriving them from the block tables.
+    kv_slots: torch.Tensor
+    # With one sequence whose blocks are consecutive, its keys are the flat cache rows kv_start ..
+    # kv_start + L - 1: attention reads them as a view, with no gather at all (None otherwise).
+    kv_start: int | None
     token_index: torch.Tensor  # [B, Qmax] index into [T] (T = a zero padding row)
+    token_rows: torch.Tensor  # [T] row of each token in the flattened padded [B * Qmax] layout
     query_positions: torch.Tensor  # [B, Qmax] absolute positions (0 for padding)
-    is_token: torch.Tensor  # [B, Qmax] bool, False for padding
     logits_indices: torch.Tensor  # [M] which flat tokens need logits
     uniform_query_len: bool  # every sequence has the same number of new tokens (no padding)
+    all_logits: bool  # logits_indices is every token in order (a decode step): no gather needed
     block_size: int  # tokens per KV block
     context_len: int  # the longest sequence's length once this pass's tokens are in
 
@@ -43,7 +51,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     qmax = max(query_lens)
     total = sum(query_lens)
     input_ids, positions, slots, logits_indices = [], [], [], []
-    token_index, query_positions, is_token = [], [], []
+    token_index, query_positions, token_rows = [], [], []
     for seq_id, toks, n_logits in zip(seq_ids, new_tokens, num_logits):
         offset, start, pad = len(input_ids), cache.length(seq_id), qmax - len(toks)
         slots += cache.append_slots(seq_id, len(toks))
@@ -53,21 +61,34 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         # The padded [B, Qmax] layout attention regroups tokens in (padding: row `total`).
         token_index.append(list(range(offset, offset + len(toks))) + [total] * pad)
         query_positions.append(positions[offset:] + [0] * pad)
-        is_token.append([True] * len(toks) + [False] * pad)
+        token_rows += range(len(token_index) * qmax - qmax, len(token_index) * qmax - pad)
 
     def tensor(values, dtype=torch.long):
         return torch.tensor(values, dtype=dtype, device=device)
 
+    block_tables = cache.block_tables_tensor(seq_ids)
+    context_len = max(cache.length(s) for s in seq_ids)
+    block_size = cache.block_size
+    in_block = torch.arange(block_size, device=device)
+    kv_slots = (block_tables[:, :, None] * block_size + in_block).flatten(1)[:, :context_len]
+    kv_start = None
+    if len(seq_ids) == 1:
+        table = cache.block_table(seq_ids[0])
+        if table == list(range(table[0], table[0] + len(table))):
+            kv_start = table[0] * block_size
     return ForwardBatch(
         input_ids=tensor(input_ids),
         positions=tensor(positions),
         slots=tensor(slots),
-        block_tables=cache.block_tables_tensor(seq_ids),
+        block_tables=block_tables,
+        kv_slots=kv_slots.contiguous(),
+        kv_start=kv_start,
         token_index=tensor(token_index),
+        token_rows=tensor(token_rows),
         query_positions=tensor(query_positions),
-        is_token=tensor(is_token, torch.bool),
         logits_indices=tensor(logits_indices),
         uniform_query_len=all(q == qmax for q in query_lens),
-        block_size=cache.block_size,
-        context_len=max(cache.length(s) for s in seq_ids),
+        all_logits=logits_indices == list(range(total)),
+        block_size=block_size,
+        context_len=context_len,
     )

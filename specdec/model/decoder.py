@@ -49,11 +49,6 @@ def head_norm(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return weight * F.rms_norm(qk.float(), weight.shape[-1:], None, eps).to(qk.dtype)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight (+ bias), weight stored [in, out] (see specdec.model.weights)."""
-    return x @ weight if bias is None else torch.addmm(bias, x, weight)
-
-
 class Model:
     """A loaded checkpoint: its config, its fused weights and the rotary table, on one device."""
 
@@ -83,14 +78,14 @@ class Model:
         """Run the new tokens of `batch` (already given slots in `cache`); return float32 logits
         [M, vocab] for batch.logits_indices."""
         c = self.config
-        x = self.weights.embed[batch.input_ids]
+        x = self.weights.embed.index_select(0, batch.input_ids)
         num_tokens = x.shape[0]
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         cos, sin = self.rotary.lookup(batch.positions)
         mask = attention_mask(batch)  # the same for every layer
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = project(h, layer.qkv, layer.qkv_bias)  # [T, (H + 2 Hkv) * D]
+            qkv = layer.qkv(h)  # [T, (H + 2 Hkv) * D]
             # q and k sit side by side in qkv: one norm (Qwen3) and one rotation serve both.
             qk = qkv[:, :self._q_size + self._kv_size].view(num_tokens, heads + kv_heads, c.head_dim)  # [T, H+Hkv, D]
             if layer.qk_norm is not None:
@@ -100,21 +95,25 @@ class Model:
             v = qkv[:, self._q_size + self._kv_size:].view(num_tokens, kv_heads, c.head_dim)
             write_kv(cache.k[index], cache.v[index], k, v, batch.slots)
             attn = paged_attention(q, cache.k[index], cache.v[index], batch, mask, self.scale)
-            x = x + project(attn.reshape(num_tokens, -1), layer.o_proj, layer.o_bias)
+            x = x + layer.o_proj(attn.reshape(num_tokens, -1))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = project(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + project(F.silu(gate) * up, layer.down, layer.down_bias)
-        x = rms_norm(x[batch.logits_indices], self.weights.final_norm, c.rms_norm_eps)
-        return (x @ self.weights.lm_head).float()
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        if not batch.all_logits:
+            x = x.index_select(0, batch.logits_indices)
+        x = rms_norm(x, self.weights.final_norm, c.rms_norm_eps)
+        return self.weights.lm_head(x).float()
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32") -> Model:
+def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32",
+               packed_weights: bool = True) -> Model:
     """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
-    `device` in `dtype`; a GGUF's quantized weights are dequantized to `dtype` as they load."""
+    `device` in `dtype`; a GGUF's quantized weights are dequantized to `dtype` as they load.
+    packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear)."""
     torch_dtype = resolve_dtype(dtype)
     if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
         raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
-    weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype)
+    weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype, packed_weights)
     return Model(config, weights, device, torch_dtype)

@@ -6,6 +6,8 @@ rows, as in decoding and verifying) runs about a third faster against a contiguo
 matrix than against the checkpoint's [out, in] one (`F.linear`); on GPU it makes no difference.
 A tied LM head is a transposed view of the embedding on GPU (no second copy); on CPU it gets a
 contiguous copy, since the one-row product against the view runs up to twice as slow.
+With `packed` (CPU only) every projection, the LM head included, also keeps a oneDNN-packed copy
+for products of several rows (specdec.model.linear).
 """
 from __future__ import annotations
 
@@ -14,21 +16,18 @@ from dataclasses import dataclass
 import torch
 
 from specdec.model.config import ModelConfig
+from specdec.model.linear import Projection, onednn_available
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (H + 2 Hkv) * D]: one product instead of three
-    qkv_bias: torch.Tensor | None
+    qkv: Projection  # hidden -> (H + 2 Hkv) * D: one product instead of three
     qk_norm: torch.Tensor | None  # [H + Hkv, D]: q_norm's weight on each q head, then k_norm's (Qwen3)
-    o_proj: torch.Tensor  # [H * D, hidden]
-    o_bias: torch.Tensor | None
+    o_proj: Projection  # H * D -> hidden
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [intermediate, hidden]
-    down_bias: torch.Tensor | None
+    gate_up: Projection  # hidden -> 2 * intermediate
+    down: Projection  # intermediate -> hidden
 
 
 @dataclass
@@ -36,15 +35,17 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [hidden, vocab]; tied on GPU: a view of embed
+    lm_head: Projection  # hidden -> vocab; tied on GPU: its weight is a view of embed
     tied: bool  # the LM head is the embedding
     num_parameters: int  # of the checkpoint (a tied head and the stacked q/k norms counted once)
 
 
 def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: torch.device | str,
-                  dtype: torch.dtype) -> ModelWeights:
-    """raw: tensors by Hugging Face name (with or without the `model.` prefix), [out, in] matrices."""
+                  dtype: torch.dtype, packed: bool = True) -> ModelWeights:
+    """raw: tensors by Hugging Face name (with or without the `model.` prefix), [out, in] matrices.
+    packed: also keep oneDNN-packed copies for multi-row products where oneDNN can (CPU, float32)."""
     counted = 0
+    packed = packed and onednn_available(torch.device(device), dtype)
 
     def take(name: str) -> torch.Tensor:
         nonlocal counted
@@ -61,6 +62,10 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: tor
     def biases(*names: str) -> torch.Tensor:
         return torch.cat([take(n) for n in names])
 
+    def projection(weights: list[str], bias_names: list[str] | None) -> Projection:
+        """The checkpoint's [out, in] matrices `weights`, stacked on out (one product for all)."""
+        return Projection(in_out(*weights), biases(*bias_names) if bias_names else None, packed)
+
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layers = []
     for i in range(config.num_hidden_layers):
@@ -73,23 +78,22 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: tor
             qk_norm = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)]).contiguous()
         layers.append(LayerWeights(
             input_norm=take(f"{p}.input_layernorm.weight"),
-            qkv=in_out(*(f"{attn}.{n}_proj.weight" for n in "qkv")),
-            qkv_bias=biases(*(f"{attn}.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
+            qkv=projection([f"{attn}.{n}_proj.weight" for n in "qkv"],
+                           [f"{attn}.{n}_proj.bias" for n in "qkv"] if config.qkv_bias else None),
             qk_norm=qk_norm,
-            o_proj=in_out(f"{attn}.o_proj.weight"),
-            o_bias=take(f"{attn}.o_proj.bias") if config.o_bias else None,
+            o_proj=projection([f"{attn}.o_proj.weight"], [f"{attn}.o_proj.bias"] if config.o_bias else None),
             post_norm=take(f"{p}.post_attention_layernorm.weight"),
-            gate_up=in_out(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
-            gate_up_bias=biases(f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias") if config.mlp_bias else None,
-            down=in_out(f"{mlp}.down_proj.weight"),
-            down_bias=take(f"{mlp}.down_proj.bias") if config.mlp_bias else None,
+            gate_up=projection([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"],
+                               [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"] if config.mlp_bias else None),
+            down=projection([f"{mlp}.down_proj.weight"], [f"{mlp}.down_proj.bias"] if config.mlp_bias else None),
         ))
     embed = take("embed_tokens.weight")
     tied = config.tie_word_embeddings or not any(k in raw for k in ("lm_head.weight", "model.lm_head.weight"))
     if tied:
-        lm_head = embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t()
+        lm_head = Projection(embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t(),
+                             packed=packed)
     else:
-        lm_head = in_out("lm_head.weight")
+        lm_head = projection(["lm_head.weight"], None)
     final_norm = take("norm.weight")
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, tied=tied,
                         num_parameters=counted)

@@ -3,9 +3,9 @@
 The adaptive policy needs what rounds cost on this machine (coordinator.round_costs); measuring
 takes a few seconds, so the result is stored under $SPECDEC_CACHE_DIR (default ~/.cache/specdec)
 keyed by everything that changes it: both models (resolved path, and the size and time of every file
-they are read from: a checkpoint directory's, a .gguf file, a Hub snapshot's),
-device, dtype, threads, the batch and K limits, in process or over gRPC, torch and the CPU. The
-scheduler keeps correcting the figures from every round it runs, so a stale entry only starts
+they are read from: a checkpoint directory's, a .gguf file, a Hub snapshot's), device, dtype,
+threads, packed weights, the batch and K limits, the runtime's revision, in process or over gRPC,
+torch and the CPU. The scheduler keeps correcting the figures from every round it runs, so a stale entry only starts
 the policy off a little wrong.
 """
 from __future__ import annotations
@@ -41,11 +41,17 @@ def _checkpoint_fingerprint(spec: str | None) -> list:
         return [spec]
 
 
+# Bump when a change to the model runtime changes what steps cost (e.g. the packed projections):
+# entries measured with the old code must not seed the policy of the new.
+RUNTIME_REVISION = 2
+
+
 def cost_cache_path(config: ServiceConfig, transport: str) -> Path:
     key = json.dumps([
+        RUNTIME_REVISION,
         _checkpoint_fingerprint(config.target.model), _checkpoint_fingerprint(config.draft.model),
-        [config.target.device, config.target.resolved_dtype, config.target.num_threads],
-        [config.draft.device, config.draft.resolved_dtype, config.draft.num_threads],
+        [config.target.device, config.target.resolved_dtype, config.target.num_threads, config.target.packed_weights],
+        [config.draft.device, config.draft.resolved_dtype, config.draft.num_threads, config.draft.packed_weights],
         [config.scheduler.max_batch_size, config.scheduler.num_speculative_tokens, transport],
         [torch.__version__, torch.get_num_threads(), os.cpu_count(), platform.machine(), platform.processor()],
     ], default=str)

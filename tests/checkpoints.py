@@ -2,6 +2,7 @@
 the fly for tests."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -175,3 +176,23 @@ class PreDraftAlways:
 def predraft_always(scheduler):
     scheduler.predraft_gate = PreDraftAlways()
     return scheduler
+
+
+class SlowWorker:
+    """A worker client that sleeps a random 0-10 ms before each call (timing must not change
+    what a seeded request gets)."""
+
+    def __init__(self, inner, rng, method: str):
+        self.inner, self.rng, self.method = inner, rng, method
+
+    def info(self):
+        return self.inner.info()
+
+    def __getattr__(self, name):
+        call = getattr(self.inner, name)
+
+        def delayed(*args, **kwargs):
+            time.sleep(self.rng.uniform(0, 0.01))
+            return call(*args, **kwargs)
+
+        return delayed

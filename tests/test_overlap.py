@@ -8,7 +8,6 @@ lost during a pre-draft, with adaptive K and with the n-gram drafter.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -26,7 +25,7 @@ from specdec.config import SchedulerConfig
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy, predraft_always, use_policy
+from checkpoints import CONFIGS, SlowWorker, build_checkpoint, perturbed_copy, predraft_always, use_policy
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -45,25 +44,6 @@ def models(tmp_path_factory):
 def plain_outputs(models):
     engine = LocalEngine(models[0], draft=None, num_speculative_tokens=0)
     return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-
-
-class SlowWorker:
-    """A worker client that sleeps a random 0-10 ms before each call."""
-
-    def __init__(self, inner, rng: random.Random, method: str):
-        self.inner, self.rng, self.method = inner, rng, method
-
-    def info(self):
-        return self.inner.info()
-
-    def __getattr__(self, name):
-        call = getattr(self.inner, name)
-
-        def delayed(*args, **kwargs):
-            time.sleep(self.rng.uniform(0, 0.01))
-            return call(*args, **kwargs)
-
-        return delayed
 
 
 class Tally:

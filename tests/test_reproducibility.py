@@ -8,13 +8,12 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 
 from specdec import LocalEngine, SamplingParams
 
-from checkpoints import CONFIGS, build_checkpoint, cheap_drafting_policy, perturbed_copy
+from checkpoints import CONFIGS, SlowWorker, build_checkpoint, cheap_drafting_policy, perturbed_copy
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
 SEEDED = [SamplingParams(max_new_tokens=20, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(4)]
@@ -28,25 +27,6 @@ def models(tmp_path_factory):
                               **CONFIGS["gqa_untied"])
     draft = perturbed_copy(target, tmp_path_factory.mktemp("repro-draft"), noise=0.2)
     return str(target), str(draft)
-
-
-class SlowWorker:
-    """Wraps a worker client and sleeps a random while before answering."""
-
-    def __init__(self, inner, rng: random.Random, method: str):
-        self.inner, self.rng, self.method = inner, rng, method
-
-    def info(self):
-        return self.inner.info()
-
-    def __getattr__(self, name):
-        call = getattr(self.inner, name)
-
-        def delayed(*args, **kwargs):
-            time.sleep(self.rng.uniform(0, 0.01))
-            return call(*args, **kwargs)
-
-        return delayed
 
 
 def engine(models, policy_chosen: list[int] | None = None) -> LocalEngine:

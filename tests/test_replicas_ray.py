@@ -122,7 +122,11 @@ def test_killing_one_replicas_target_leaves_the_other_untouched_and_every_stream
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 assert time.monotonic() < deadline, "the killed target was never restarted"
                 time.sleep(0.5)
-        # The restarted replica takes requests again and finishes them.
+        # The restarted replica takes requests again (once its idle probe found the worker back).
+        deadline = time.monotonic() + 60
+        while "target" in snapshot(deployment)["replicas"][1]["workers_down"]:
+            assert time.monotonic() < deadline, "replica 1 never saw its restarted target"
+            time.sleep(0.2)
         before = snapshot(deployment)["replicas"][1]["rounds"]
         assert stream_all(deployment.port, PROMPTS[:4], PARAMS[:4]) == want[:4]
         deadline = time.monotonic() + 30

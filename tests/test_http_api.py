@@ -33,7 +33,7 @@ from specdec.params import SamplingParams
 from specdec.tokenizer import load_tokenizer
 
 from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
-from test_server_e2e import KV, MAX_POS, save_tokenizer, slow_rounds, wait_until
+from test_server_e2e import KV, MAX_POS, save_tokenizer, self_signed_cert, slow_rounds, wait_until
 
 K = 4
 TOKEN = "s3cret"
@@ -435,14 +435,7 @@ def test_http_port_zero_turns_the_api_off(models):
 
 
 def test_https_with_the_servers_certificate(models, tmp_path):
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     factory = LocalSchedulerFactory(config(models, draft=None))
     tls = replace(LOOPBACK_SERVER, tls_cert=str(cert), tls_key=str(key))
     with run_server_in_thread(factory, factory.tokenizer, tls) as handle:

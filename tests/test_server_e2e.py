@@ -351,7 +351,8 @@ def test_engine_start_failure_is_unavailable():
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "no checkpoint" in info.value.details()
 
 
-def test_tls(models, tmp_path):
+def self_signed_cert(tmp_path) -> tuple:
+    """A throwaway certificate and key for 127.0.0.1 (skips the test without openssl)."""
     import shutil
     import subprocess
 
@@ -361,6 +362,11 @@ def test_tls(models, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls(models, tmp_path):
+    cert, key = self_signed_cert(tmp_path)
     factory = LocalSchedulerFactory(service_config(models, draft=None))
     tls = replace(LOOPBACK_SERVER, tls_cert=str(cert), tls_key=str(key))
     with run_server_in_thread(factory, factory.tokenizer, tls) as handle:

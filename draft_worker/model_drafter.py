@@ -59,16 +59,21 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         return logits.argmax(dim=-1), {}
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not needs_presence and all(params[i].top_p == 1.0 for i in rows):
-        # Temperature (and top-k) only: the top entries of softmax(logits / T) are the softmax of
-        # the top logits, so the full-vocabulary softmax is never needed.
-        tokens = logits.argmax(dim=-1)
+        # Temperature (and top-k) only: dividing by T keeps the order of the logits, so the top
+        # entries of softmax(logits / T) are the softmax of the top logits / T: one top-k over the
+        # vocabulary, and no full-vocabulary division or softmax.
         most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
         widths = [min(most, params[i].top_k or most) for i in rows]  # each row's own q size
+        every_row = len(rows) == len(params)
+        top, ids = torch.topk((logits if every_row else logits[rows]).float(), max(widths), dim=-1)
+        # The greedy rows' picks (when every row samples, all are drawn below).
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device) if every_row else logits.argmax(-1)
         temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
-        scaled = logits[rows].float() / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)
-        top, ids = torch.topk(scaled.clamp(-LARGEST_LOGIT, LARGEST_LOGIT), max(widths), dim=-1)
-        beyond = torch.arange(max(widths), device=logits.device)[None, :] >= torch.tensor(widths)[:, None]
-        q = torch.softmax(top.masked_fill(beyond, float("-inf")), dim=-1)
+        scaled = (top / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
+        if min(widths) < max(widths):
+            beyond = torch.arange(max(widths), device=logits.device)[None, :] >= torch.tensor(widths)[:, None]
+            scaled = scaled.masked_fill(beyond, float("-inf"))
+        q = torch.softmax(scaled, dim=-1)
     else:
         presence = presence_mask(contexts, logits.shape[-1], logits.device) if needs_presence else None
         probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)

@@ -68,6 +68,16 @@ def padded_proposals(tasks: list[VerifyTask], positions: int, device) -> tuple[t
     return ids.to(device), probs.to(device)
 
 
+def padded_logits(logits: list[torch.Tensor], positions: int) -> torch.Tensor:
+    """Every sequence's logits rows ([n_i, V] each) in one [B, positions, V]; missing rows are 0."""
+    if all(rows.shape[0] == positions for rows in logits):  # the usual case: one copy, no padding
+        return torch.cat(logits).view(len(logits), positions, -1)
+    padded = logits[0].new_zeros(len(logits), positions, logits[0].shape[-1])
+    for row, rows in enumerate(logits):
+        padded[row, :rows.shape[0]] = rows
+    return padded
+
+
 def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
 
@@ -181,7 +191,7 @@ class TargetWorker:
         device = logits[0].device
         if k_max == 0:  # nothing proposed: plain decoding, the target's own sample at each position
             return [0] * len(tasks), self._sample(seqs, torch.cat(logits))
-        padded = torch.stack([torch.nn.functional.pad(rows, (0, 0, 0, k_max + 1 - rows.shape[0])) for rows in logits])
+        padded = padded_logits(logits, k_max + 1)
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
             return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])
         draft = pad_rows([t.draft_tokens for t in tasks], k_max).to(device)
@@ -189,7 +199,7 @@ class TargetWorker:
         if any(x.repetition_penalty != 1.0 for x in params):
             base = presence_mask([s.tokens for s in seqs], vocab, device)
             presence = presence_for_positions(base, draft, torch.tensor(num_proposed)).flatten(0, 1)
-        batch_params = BatchSamplingParams.from_params(params, device).repeat_interleave([k_max + 1] * len(seqs))
+        batch_params = BatchSamplingParams.from_params([x for x in params for _ in range(k_max + 1)], device)
         p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
         q_ids, q_probs = padded_proposals(tasks, k_max, device)
         # The uniforms of a draft position are a function of the request's seed and the absolute

@@ -256,6 +256,19 @@ def test_sample_from_probs_distribution_and_edges():
     assert edge.tolist() == [1, 4, 3]  # unnormalised rows are fine; u -> 1 lands on the last nonzero
 
 
+def test_sample_from_probs_repairs_a_cdf_a_parallel_scan_rounded_up(monkeypatch):
+    """A GPU's parallel cumsum may put a zero-probability token's cdf value above its neighbour's;
+    the token must still never be drawn (the CPU's sequential cumsum cannot do this, so it is
+    faked here)."""
+    import specdec.sampling.speculative as speculative
+
+    probs = torch.tensor([[0.5, 0.0, 0.5], [0.25, 0.25, 0.5]], dtype=torch.float64)
+    rounded_up = torch.tensor([[0.5, 0.5 + 2**-40, 1.0], [0.25, 0.5, 1.0]], dtype=torch.float64)
+    monkeypatch.setattr(speculative.torch, "cumsum", lambda x, dim: rounded_up.clone())
+    u = torch.tensor([0.5, 0.3], dtype=torch.float64)  # row 0: u * total sits on the bad step
+    assert sample_from_probs(probs, u).tolist() == [2, 1]
+
+
 # ---------------------------------------------------------------- per-request randomness
 
 def test_uniforms_are_a_function_of_seed_position_and_purpose_only():

@@ -25,16 +25,26 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """
     probs = probs.double()
     cdf = torch.cumsum(probs, dim=-1)
-    # At zero-probability tokens repeat the previous value, and force monotonicity with cummax:
-    # searchsorted(right=True) picks the first index whose value exceeds the target, which then
-    # can only be a strict increase, i.e. a token with positive probability.
-    cdf = torch.where(probs > 0, cdf, torch.zeros_like(cdf)).cummax(dim=-1).values
+    idx = _search(cdf, uniforms.double().to(probs.device))
+    # searchsorted(right=True) picks the first index whose cdf exceeds the target. A sequential
+    # cumsum (the CPU's) never decreases, so that index is a strict increase: a token with
+    # positive probability. A parallel scan may round a zero-probability token's value above its
+    # neighbour's; only then (one check) are the rows searched again on a repaired cdf.
+    bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
+    if bool(bad.any()):
+        # At zero-probability tokens repeat the previous value, and force monotonicity with cummax.
+        repaired = torch.where(probs[bad] > 0, cdf[bad], 0.0).cummax(dim=-1).values
+        idx[bad] = _search(repaired, uniforms.double().to(probs.device)[bad])
+    return idx
+
+
+def _search(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[N, V] non-decreasing cdf, [N] uniforms -> [N] first index whose value exceeds u * total."""
     total = cdf[:, -1]
-    target = uniforms.double().to(probs.device) * total
     # u < 1 but u * total may round up to total; stay strictly below so some index qualifies.
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    return idx.clamp_(max=cdf.shape[-1] - 1)
 
 
 def speculative_verify(
@@ -71,9 +81,11 @@ def speculative_verify(
     # u < min(1, p/q) written without a division: accept when p >= q, else when u*q < p. The
     # target checks that every proposed token has q_t > 0 before it gets here.
     u = u_accept.to(dev).double()
-    accept_sampled = (p_t > 0) & ((p_t >= q_t) | (u * q_t < p_t))
-    accept_greedy = p_draft.argmax(dim=-1) == safe_tokens
-    accept = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid
+    accept = (p_t > 0) & ((p_t >= q_t) | (u * q_t < p_t))
+    any_greedy = bool(greedy.any())  # argmax over the vocabulary only for rows that need it
+    if any_greedy:
+        accept = torch.where(greedy[:, None], p_draft.argmax(dim=-1) == safe_tokens, accept)
+    accept &= valid
     # Accepted count = length of the leading run of accepts.
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
 
@@ -91,7 +103,7 @@ def speculative_verify(
         dist = p_next
     u_next = u_target.to(dev).double().gather(1, num_accepted[:, None]).squeeze(1)
     sampled_next = sample_from_probs(dist, u_next)
-    next_token = torch.where(greedy, p_next.argmax(dim=-1), sampled_next)
+    next_token = torch.where(greedy, p_next.argmax(dim=-1), sampled_next) if any_greedy else sampled_next
     return num_accepted, next_token
 
 

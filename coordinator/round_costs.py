@@ -6,7 +6,10 @@ Terms:
   `verify_seconds(b, t)` interpolates a grid measured over batch sizes and tokens per sequence;
 - draft step: one batched forward of the drafter over the n sequences still drafting; a draft
   call of K steps costs `draft_call_seconds + sum over steps of draft_step_seconds(n_step)`;
-- overhead: the coordinator's own time per round (scheduling, stop conditions, streaming).
+- overhead: the coordinator's own time per round (scheduling, stop conditions, streaming);
+- sampled rounds (any request with T > 0): the grid is measured greedy; sampling, the draft's
+  q and the accept test cost more, by factors measured once at the largest batch and corrected
+  online apart from the greedy rounds' (a mixed load must not blur the two).
 
 Measuring through DraftClient / TargetClient (not the models directly) prices what the policy
 actually pays, transport included, in process and over gRPC alike.
@@ -34,9 +37,14 @@ class RoundCosts:
     draft_step: list[float]  # seconds of one draft step, per batch size
     draft_call_seconds: float = 0.0  # a draft call's cost beyond its steps (transport, sync)
     overhead_seconds: float = 0.0
-    # Online corrections (measured / predicted), so a loaded machine shifts every estimate.
+    sampled_verify_factor: float = 1.0  # a sampled round's verify pass / a greedy one's
+    sampled_draft_factor: float = 1.0  # the same for a draft call
+    # Online corrections (measured / predicted), greedy and sampled rounds apart, so a loaded
+    # machine shifts every estimate.
     verify_scale: float = 1.0
     draft_scale: float = 1.0
+    sampled_verify_scale: float = 1.0
+    sampled_draft_scale: float = 1.0
     rounds_seen: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,47 +64,61 @@ class RoundCosts:
         w = min(max((batch - b[i]) / (b[i + 1] - b[i]), 0.0), 1.0)
         return (1 - w) * self._grid[i] + w * self._grid[i + 1]
 
-    def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray) -> float | np.ndarray:
+    def verify_factor(self, sampled: bool = False) -> float:
+        """What the grid's greedy figures are multiplied by for this kind of round."""
+        return self.sampled_verify_factor * self.sampled_verify_scale if sampled else self.verify_scale
+
+    def draft_factor(self, sampled: bool = False) -> float:
+        return self.sampled_draft_factor * self.sampled_draft_scale if sampled else self.draft_scale
+
+    def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
+                       sampled: bool = False) -> float | np.ndarray:
         """Bilinear interpolation, linear extrapolation in tokens beyond the grid."""
         row, t = self.verify_row(batch), self._tokens
         value = np.interp(tokens_per_seq, t, row)
         if len(t) > 1:  # beyond the grid: keep the last slope
             slope = (row[-1] - row[-2]) / (t[-1] - t[-2])
             value = np.where(np.asarray(tokens_per_seq) > t[-1], row[-1] + (tokens_per_seq - t[-1]) * slope, value)
-        return value * self.verify_scale if np.ndim(value) else float(value) * self.verify_scale
+        factor = self.verify_factor(sampled)
+        return value * factor if np.ndim(value) else float(value) * factor
 
     def draft_step_seconds(self, sequences: np.ndarray) -> np.ndarray:
         """Unscaled seconds of draft steps advancing that many sequences each (0: no step)."""
         return np.interp(sequences, self._batches, self._draft) * (np.asarray(sequences) > 0)
 
-    def draft_seconds(self, steps: list[int] | np.ndarray) -> float:
+    def draft_seconds(self, steps: list[int] | np.ndarray, sampled: bool = False) -> float:
         """A draft call whose step s advances steps[s] sequences (0 steps: no call)."""
         steps = np.asarray([n for n in steps if n > 0])
         if not steps.size:
             return 0.0
-        return (self.draft_call_seconds + float(self.draft_step_seconds(steps).sum())) * self.draft_scale
+        return (self.draft_call_seconds + float(self.draft_step_seconds(steps).sum())) * self.draft_factor(sampled)
 
-    def observe(self, report: RoundReport) -> None:
-        """Fold a round's measured times into the corrections."""
+    def observe(self, report: RoundReport, sampled: bool = False) -> None:
+        """Fold a round's measured times into the corrections (`sampled`: a round with a sampled
+        request in it)."""
         ran = [u for u in report.updates if not u.finished or u.token_ids]
         if not report.ran or not ran:
             return
+        prefix = "sampled_" if sampled else ""
         tokens = sum(u.proposed + 1 for u in ran) / len(ran)
-        predicted = self.verify_seconds(len(ran), tokens) / self.verify_scale
-        if predicted > 0 and report.verify_seconds > 0:
-            self.verify_scale += _REFRESH * (report.verify_seconds / predicted - self.verify_scale)
+        self._correct(prefix + "verify_scale", report.verify_seconds, self.verify_seconds(len(ran), tokens, sampled))
         asked = np.array([u.num_speculative_tokens for u in ran])
         if asked.max(initial=0) > 0 and report.draft_seconds > 0:
             steps = [(asked > s).sum() for s in range(int(asked.max()))]
-            predicted = self.draft_seconds(steps) / self.draft_scale
-            if predicted > 0:
-                self.draft_scale += _REFRESH * (report.draft_seconds / predicted - self.draft_scale)
+            self._correct(prefix + "draft_scale", report.draft_seconds, self.draft_seconds(steps, sampled))
         self.overhead_seconds += _REFRESH * (report.overhead_seconds - self.overhead_seconds)
         self.rounds_seen += 1
 
+    def _correct(self, scale: str, measured: float, predicted: float) -> None:
+        """Move one online correction a step towards what makes `predicted` (computed with it)
+        come out as `measured`."""
+        current = getattr(self, scale)
+        if predicted > 0 and measured > 0 and current > 0:
+            setattr(self, scale, current + _REFRESH * (measured / (predicted / current) - current))
+
     def to_json(self) -> dict:
         data = asdict(self)
-        for online in ("verify_scale", "draft_scale", "rounds_seen"):
+        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen"):
             data.pop(online)
         return data
 
@@ -121,16 +143,44 @@ def _timed_round(target: TargetClient, draft: DraftClient | None, unsent: dict[s
     proposals = {}
     if draft is not None and k > 0:
         tasks = [DraftTask(r, tokens, k, params) for r, tokens in unsent.items()]
-        proposals = {p.req_id: p.tokens for p in draft.propose(tasks, [])}
+        proposals = {p.req_id: p for p in draft.propose(tasks, [])}
         for tokens in unsent.values():
             tokens.clear()
     drafted = time.perf_counter()
-    # Padded to k tokens: the pass is timed with k + 1 per sequence whatever the drafter found.
-    drafts = {r: (proposals.get(r, []) + [int(x) for x in rng.integers(0, vocab_size, k)])[:k] for r in unsent}
-    result = target.verify([VerifyTask(r, [], drafts[r], None, params) for r in unsent], [])
+    if params.greedy:  # padded to k tokens: the pass is timed with k + 1 per sequence whatever was found
+        found = {r: proposals[r].tokens if r in proposals else [] for r in unsent}
+        padding = {r: [int(x) for x in rng.integers(0, vocab_size, k)] for r in unsent}
+        tasks = [VerifyTask(r, [], (found[r] + padding[r])[:k], None, params) for r in unsent]
+    else:  # a sampled proposal is verified against the q it was drawn from, as served
+        tasks = [VerifyTask(r, [], proposals[r].tokens, proposals[r].q, params) if r in proposals
+                 else VerifyTask(r, [], [], None, params) for r in unsent]
+    result = target.verify(tasks, [])
     for outcome in result.outcomes:
         unsent[outcome.req_id] += outcome.tokens
     return drafted - start, time.perf_counter() - drafted
+
+
+def _time_batch(target: TargetClient, draft: DraftClient | None, ids: list[str], draft_lengths: list[int],
+                repeats: int, params: SamplingParams, prompt_tokens: int, rng: np.random.Generator,
+                vocab_size: int) -> tuple[list[float], list[float]]:
+    """Fastest (draft seconds, verify seconds) of `repeats` rounds at each draft length, over the
+    throw-away requests `ids` (released at the end, whatever happens)."""
+    unsent = {r: [int(t) for t in rng.integers(0, vocab_size, prompt_tokens)] for r in ids}
+    try:
+        prefill = target.verify([VerifyTask(r, unsent[r], [], None, params) for r in ids], [])
+        for outcome in prefill.outcomes:  # the drafter has not seen any of it yet
+            unsent[outcome.req_id] += outcome.tokens
+        draft_times, verify_times = [], []
+        for k in draft_lengths:
+            timed = [_timed_round(target, draft, unsent, k, params, rng, vocab_size)
+                     for _ in range(repeats + 1)][1:]  # the first is a warm-up
+            draft_times.append(min(d for d, _ in timed))
+            verify_times.append(min(v for _, v in timed))
+        return draft_times, verify_times
+    finally:
+        target.verify([], ids)
+        if draft is not None:
+            draft.propose([], ids)
 
 
 def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq_len: int, max_batch_size: int,
@@ -139,8 +189,10 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     throw-away greedy requests (ids "calibrate-<batch>-<i>"), the target verifies, the committed
     tokens go back to the drafter, as in serving. Interleaving matters: a draft step right after a
     target pass runs with the target's weights in the caches, about twice as slow as back-to-back
-    draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Batch sizes
-    whose sequences would not fit the target's KV cache are left out; every request is released."""
+    draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Then the
+    deepest rounds of the largest batch once more with sampled requests ("calibrate-sampled-<i>"):
+    the sampled factors. Batch sizes whose sequences would not fit the target's KV cache are left
+    out; every request is released."""
     info = target.info()
     batches, tokens = measurement_grid(max_batch_size, max_speculative_tokens)
     growth = (repeats + 1) * sum(tokens) + 1  # at most t tokens committed per timed round
@@ -152,34 +204,28 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
         repeats -= 1
         growth = (repeats + 1) * sum(tokens) + 1
     prompt_tokens = max(1, min(32, max_seq_len - growth, room - growth))
-    params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
     rng = np.random.default_rng(0)
     grid, draft_step, draft_call = [], [], []
     for b in batches:
-        ids = [f"calibrate-{b}-{i}" for i in range(b)]
-        unsent = {r: [int(t) for t in rng.integers(0, info.vocab_size, prompt_tokens)] for r in ids}
-        try:
-            prefill = target.verify([VerifyTask(r, unsent[r], [], None, params) for r in ids], [])
-            for outcome in prefill.outcomes:  # the drafter has not seen any of it yet
-                unsent[outcome.req_id] += outcome.tokens
-
-            row, draft_times = [], {}
-            for t in tokens:
-                timed = [_timed_round(target, draft, unsent, t - 1, params, rng, info.vocab_size)
-                         for _ in range(repeats + 1)][1:]  # the first is a warm-up
-                row.append(min(v for _, v in timed))
-                draft_times[t - 1] = min(d for d, _ in timed)
-            grid.append(row)
-            if draft is not None:
-                deepest = tokens[-1] - 1
-                per_step = max((draft_times[deepest] - draft_times[1]) / max(deepest - 1, 1), 0.0)
-                draft_step.append(per_step)
-                draft_call.append(max(draft_times[1] - per_step, 0.0))
-            else:
-                draft_step.append(0.0)
-        finally:
-            target.verify([], ids)
-            if draft is not None:
-                draft.propose([], ids)
-    return RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid, draft_step=draft_step,
-                      draft_call_seconds=float(np.median(draft_call)) if draft_call else 0.0)
+        draft_times, row = _time_batch(target, draft, [f"calibrate-{b}-{i}" for i in range(b)],
+                                       [t - 1 for t in tokens], repeats, greedy, prompt_tokens, rng, info.vocab_size)
+        grid.append(row)
+        if draft is not None:
+            deepest = tokens[-1] - 1
+            per_step = max((draft_times[-1] - draft_times[1]) / max(deepest - 1, 1), 0.0)
+            draft_step.append(per_step)
+            draft_call.append(max(draft_times[1] - per_step, 0.0))
+        else:
+            draft_step.append(0.0)
+    costs = RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid, draft_step=draft_step,
+                       draft_call_seconds=float(np.median(draft_call)) if draft_call else 0.0)
+    if draft is not None and tokens[-1] > 1:
+        sampled = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0)
+        ids = [f"calibrate-sampled-{i}" for i in range(batches[-1])]
+        (draft_seconds,), (verify_seconds,) = _time_batch(target, draft, ids, [tokens[-1] - 1], repeats, sampled,
+                                                          prompt_tokens, rng, info.vocab_size)
+        steps = [batches[-1]] * (tokens[-1] - 1)
+        costs.sampled_draft_factor = max(draft_seconds / max(costs.draft_seconds(steps), 1e-9), 1.0)
+        costs.sampled_verify_factor = max(verify_seconds / max(grid[-1][-1], 1e-9), 1.0)
+    return costs

@@ -25,7 +25,14 @@ target step, each verified token REFERENCE_VERIFY_TOKEN_COST), from a constant p
 
 Probing: at K = 0 a request learns nothing about acceptance, so after `probe_after` rounds at 0
 it drafts its full cap once (the most evidence a round can give); a probe that does not bring it
-back doubles the wait, up to MAX_PROBE_AFTER rounds.
+back doubles the wait, up to MAX_PROBE_AFTER rounds. Unseeded requests probe together: when one
+is due, every unseeded request at 0 probes in the same round, so a batch pays for one draft call
+per probe round instead of one for each request's own clock. And they probe on a budget: a probe
+round's net cost (its predicted time beyond what its expected tokens are worth at the plain
+round's rate) is paid from a credit that every round that runs adds PROBE_SHARE of its predicted
+time to, so probing can cost a draft that never pays at most about that share of throughput (at
+batch 8 on the dev machine, each request probing on its own clock cost 12% on prose). Seeded
+requests keep their own clocks and no budget: their K may depend on their own history only.
 
 choose() changes no state: a round that then fails (a worker died) leaves the policy as it was,
 and observe() records what the round that ran actually did. A seeded request's K sequence thus
@@ -46,6 +53,8 @@ PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must
 SEEDED_PRIOR = 0.6  # the constant prior of seeded sampled requests
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests)
 PROBE_AFTER, MAX_PROBE_AFTER = 4, 16
+PROBE_SHARE = 0.02  # of the predicted round time that unseeded probes may spend
+CREDIT_ROUNDS = 100  # the probe credit holds at most this many rounds' worth (no burst of probes)
 _ALPHA_MAX = 0.999  # keeps E finite and the log-threshold algebra away from alpha = 1
 
 
@@ -88,6 +97,8 @@ class SpeculationPolicy:
         self._global = {True: _Evidence(GLOBAL_DECAY), False: _Evidence(GLOBAL_DECAY)}
         self._initial_prior = initial_prior
         self._chosen: dict[str, str] = {}  # req_id -> why its K was chosen: "merit" | "probe" | "zero"
+        self._probe_credit = 0.0  # seconds that unseeded probes may still spend
+        self._credit_change = 0.0  # what the chosen round adds to (or takes from) it, once it ran
 
     # -- estimates ------------------------------------------------------------------------------
     def prior(self, request: PolicyRequest) -> float:
@@ -100,6 +111,8 @@ class SpeculationPolicy:
 
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round's outcomes into the estimates (`greedy`: req_id -> greedy request)."""
+        self._probe_credit = max(self._probe_credit + self._credit_change, 0.0)
+        self._credit_change = 0.0
         for update in report.updates:
             why = self._chosen.pop(update.req_id, None)
             if update.finished:
@@ -113,7 +126,7 @@ class SpeculationPolicy:
                 self._evidence.setdefault(update.req_id, _Evidence()).add(update.accepted, tested)
             if update.req_id in greedy:
                 self._global[greedy[update.req_id]].add(update.accepted, tested)
-        self.costs.observe(report)
+        self.costs.observe(report, sampled=any(not greedy.get(u.req_id, True) for u in report.updates))
 
     def export(self, req_id: str) -> _Evidence | None:
         """A request's own history, to carry to another replica's policy (`adopt`): a seeded
@@ -140,6 +153,7 @@ class SpeculationPolicy:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
         self._chosen.clear()  # a round that never ran leaves no trace
+        self._credit_change = 0.0
         if not requests:
             return []
         caps = np.array([max(r.cap, 0) for r in requests])
@@ -148,17 +162,39 @@ class SpeculationPolicy:
         chosen = np.zeros(len(requests), dtype=np.int64)
         chosen[seeded] = [self._own_choice(a, c) for a, c in zip(alphas[seeded], caps[seeded])]
         free = ~seeded & (caps > 0)
+        sampled = not all(r.greedy for r in requests)
         if free.any():
-            chosen[free] = self._batch_choice(alphas, caps, chosen, free)
-        return [self._with_probe(r, int(k)) for r, k in zip(requests, chosen)]
+            chosen[free] = self._batch_choice(alphas, caps, chosen, free, sampled)
+        due = any(self._due(r) for r, k in zip(requests, chosen) if k == 0 and not r.seeded)
+        due = self._afford_probe(alphas, caps, chosen, free, sampled) if due else False
+        return [self._with_probe(r, int(k), together=due and not r.seeded) for r, k in zip(requests, chosen)]
+
+    def _afford_probe(self, alphas: np.ndarray, caps: np.ndarray, chosen: np.ndarray, free: np.ndarray,
+                      sampled: bool) -> bool:
+        """Does the probe credit cover probing every unseeded request at 0 this round? Records the
+        round's credit change either way (applied by observe, once the round ran)."""
+        probe = chosen.copy()
+        probe[free & (chosen == 0)] = caps[free & (chosen == 0)]
+        ks = np.stack([chosen, probe])
+        seconds = self._round_seconds(ks, sampled)
+        tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
+        net_cost = max(seconds[1] - tokens[1] * seconds[0] / tokens[0], 0.0)
+        self._credit_change = PROBE_SHARE * seconds[0]
+        self._probe_credit = min(self._probe_credit, CREDIT_ROUNDS * PROBE_SHARE * seconds[0])
+        if self._probe_credit + self._credit_change < net_cost:
+            return False
+        self._credit_change -= net_cost
+        return True
 
     def _own_choice(self, alpha: float, cap: int) -> int:
         ks = np.arange(cap + 1)
         cost = 1.0 + ks * (self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST)
         return int(np.argmax(expected_tokens(np.full(len(ks), alpha), ks) / cost))
 
-    def _batch_choice(self, alphas: np.ndarray, caps: np.ndarray, fixed: np.ndarray, free: np.ndarray) -> np.ndarray:
-        """K of the `free` requests maximising sum E / round time; the others keep `fixed`."""
+    def _batch_choice(self, alphas: np.ndarray, caps: np.ndarray, fixed: np.ndarray, free: np.ndarray,
+                      sampled: bool) -> np.ndarray:
+        """K of the `free` requests maximising sum E / round time; the others keep `fixed`
+        (`sampled`: a round with sampled requests, priced as such)."""
         top = int(caps[free].max())
         ks = np.arange(1, top + 1)
         values = alphas[free, None] ** ks[None, :]  # [F, top]: the worth of each draft token
@@ -167,25 +203,34 @@ class SpeculationPolicy:
         candidates = (values[None, :, :] >= thresholds[:, None, None]).sum(axis=2)  # [C, F]
         everyone = np.broadcast_to(fixed, (len(thresholds), len(fixed))).copy()
         everyone[:, free] = candidates
-        rates = self._rates(alphas, everyone)
+        rates = self._rates(alphas, everyone, sampled)
         return candidates[int(np.argmax(rates))]
 
-    def _rates(self, alphas: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    def _rates(self, alphas: np.ndarray, ks: np.ndarray, sampled: bool) -> np.ndarray:
         """Expected committed tokens per predicted second for each candidate row of ks [C, B]."""
+        return expected_tokens(alphas[None, :], ks).sum(axis=1) / self._round_seconds(ks, sampled)
+
+    def _round_seconds(self, ks: np.ndarray, sampled: bool) -> np.ndarray:
+        """Predicted seconds of a round for each candidate row of ks [C, B]."""
         costs = self.costs
-        tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
-        verify = costs.verify_seconds(ks.shape[1], ks.mean(axis=1) + 1)
+        verify = costs.verify_seconds(ks.shape[1], ks.mean(axis=1) + 1, sampled)
         drafting = (ks[:, :, None] > np.arange(int(ks.max()))[None, None, :]).sum(axis=1)  # [C, steps]
         draft = costs.draft_step_seconds(drafting).sum(axis=1) + costs.draft_call_seconds * (ks.max(axis=1) > 0)
-        return tokens / (verify + draft * costs.draft_scale + costs.overhead_seconds)
+        return verify + draft * costs.draft_factor(sampled) + costs.overhead_seconds
 
-    def _with_probe(self, request: PolicyRequest, k: int) -> int:
+    def _due(self, request: PolicyRequest) -> bool:
+        """Has this request waited at K = 0 for as long as its probe clock says?"""
+        evidence = self._evidence.get(request.req_id) or _Evidence()
+        return request.cap > 0 and evidence.rounds_at_zero + 1 >= evidence.probe_after
+
+    def _with_probe(self, request: PolicyRequest, k: int, together: bool) -> int:
+        """K after probing: a seeded request at 0 that is due drafts its cap, and so does every
+        unseeded one at 0 when `together` (one of them is due and the probe credit allows)."""
         if request.cap == 0:
             return 0
-        evidence = self._evidence.get(request.req_id) or _Evidence()
         if k > 0:
             why = "merit"
-        elif evidence.rounds_at_zero + 1 >= evidence.probe_after:
+        elif together or (request.seeded and self._due(request)):
             why, k = "probe", request.cap
         else:
             why = "zero"

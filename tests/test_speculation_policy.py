@@ -9,6 +9,7 @@ from coordinator.round_costs import RoundCosts
 from coordinator.round_report import RequestUpdate, RoundReport
 from coordinator.speculation_policy import (
     PROBE_AFTER,
+    PROBE_SHARE,
     PolicyRequest,
     SpeculationPolicy,
     expected_tokens,
@@ -61,9 +62,11 @@ def test_drafts_that_keep_failing_fall_back_to_plain_decoding_then_probe_and_ret
     policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
     for _ in range(6):
         observe(policy, [outcome("a", 3, 0)])
-    ks = [round_of(policy, greedy("a"), accept_all=False) for _ in range(PROBE_AFTER)]
-    assert ks[:-1] == [0] * (PROBE_AFTER - 1)  # plain decoding...
-    assert ks[-1] == 5  # ...until a probe, which drafts the full cap
+    ks = [round_of(policy, greedy("a"), accept_all=False)]
+    while ks[-1] == 0 and len(ks) < 10 / PROBE_SHARE:
+        ks.append(round_of(policy, greedy("a"), accept_all=False))
+    assert len(ks) >= PROBE_AFTER and ks[:-1] == [0] * (len(ks) - 1)  # plain decoding...
+    assert ks[-1] == 5  # ...until a probe (its clock is due, its credit suffices): the full cap
     for _ in range(4):  # the probes find the drafts good now: speculation comes back
         observe(policy, [outcome("a", 5, 5)])
     assert all(round_of(policy, greedy("a"), accept_all=True) > 0 for _ in range(2 * PROBE_AFTER))
@@ -86,6 +89,35 @@ def test_failed_probes_wait_longer_each_time():
         if round_of(policy, greedy("a"), accept_all=False):
             probes.append(round_index)
     assert len(probes) >= 2 and probes[1] - probes[0] > probes[0]  # the wait doubled
+
+
+def test_requests_at_zero_probe_together_so_a_batch_pays_for_one_probe_call():
+    """Requests that fell back at different rounds would each probe on their own clock, a draft
+    call every few rounds for the batch; an unseeded request at 0 probes whenever any batch mate
+    is due, so probe rounds are shared (seeded requests keep their own clocks)."""
+    policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
+    batch = [greedy(f"r{i}") for i in range(6)] + [PolicyRequest("seeded", 5, greedy=False, seeded=True)]
+    for request in batch[:6]:
+        for _ in range(6):
+            observe(policy, [outcome(request.req_id, 3, 0)])
+    for joined in range(1, 7):  # staggered clocks: the requests joined one round apart
+        ks = policy.choose(batch[:joined])
+        observe(policy, [outcome(r.req_id, k, 0) for r, k in zip(batch, ks)])
+    probe_rounds = []
+    for round_index in range(400):
+        ks = policy.choose(batch)
+        unseeded = ks[:6]
+        assert len(set(unseeded)) == 1  # all at 0, or all probing their cap together
+        if unseeded[0]:
+            probe_rounds.append(round_index)
+        observe(policy, [outcome(r.req_id, k, 0) for r, k in zip(batch, ks)])
+    assert probe_rounds
+    # They spend about PROBE_SHARE of the time: each probe round's net cost out of the credit.
+    alphas = np.array([policy.alpha(r) for r in batch])
+    plain, probing = np.zeros(len(batch), dtype=np.int64), np.array([5] * 6 + [0])
+    seconds = policy._round_seconds(np.stack([plain, probing]), sampled=True)
+    net = seconds[1] - expected_tokens(alphas, probing).sum() * seconds[0] / len(batch)
+    assert len(probe_rounds) * net <= PROBE_SHARE * 400 * seconds[0] + net
 
 
 def test_requests_in_one_batch_get_their_own_k():
@@ -149,3 +181,32 @@ def test_round_costs_interpolate_and_follow_measurements():
     assert c.verify_scale == pytest.approx(2.0, rel=0.01) and c.draft_scale == pytest.approx(2.0, rel=0.01)
     assert c.overhead_seconds == pytest.approx(10.0 - 2 * 1.1 - 2 * 0.05, rel=0.01)
     assert RoundCosts.from_json(c.to_json()).verify_scale == 1.0  # corrections are not cached
+
+
+def test_sampled_rounds_are_priced_and_corrected_apart_from_greedy_ones():
+    """Sampling, q and the accept test make a sampled round dearer than the greedy grid says: the
+    measured factors price it, and its online corrections leave the greedy figures alone."""
+    c = costs(draft_step=0.05, verify_slope=0.1)
+    c.sampled_draft_factor, c.sampled_verify_factor = 3.0, 1.5
+    assert c.draft_seconds([1], sampled=True) == pytest.approx(3 * c.draft_seconds([1]))
+    assert c.verify_seconds(1, 2, sampled=True) == pytest.approx(1.5 * c.verify_seconds(1, 2))
+    sampled_round = RoundReport(updates=[outcome("s", 1, 1, asked=1)], ran=True,
+                                verify_seconds=2 * c.verify_seconds(1, 2, sampled=True),
+                                draft_seconds=2 * c.draft_seconds([1], sampled=True), total_seconds=10.0)
+    for _ in range(60):
+        c.observe(sampled_round, sampled=True)
+    assert c.sampled_verify_scale == pytest.approx(2.0, rel=0.01)
+    assert c.sampled_draft_scale == pytest.approx(2.0, rel=0.01)
+    assert c.verify_scale == 1.0 and c.draft_scale == 1.0
+    cached = RoundCosts.from_json(c.to_json())  # the measured factors are kept, the corrections not
+    assert (cached.sampled_draft_factor, cached.sampled_draft_scale) == (3.0, 1.0)
+
+
+def test_a_draft_that_samples_slowly_is_not_used_for_sampled_requests():
+    """The same acceptance pays for greedy requests but not for sampled ones whose draft steps
+    cost six times as much (the policy prices a round by its kind)."""
+    c = costs(draft_step=0.1, verify_slope=0.02)
+    c.sampled_draft_factor = 6.0
+    policy = SpeculationPolicy(c, reference_draft_cost=0.1, initial_prior=0.5)
+    assert policy.choose([greedy("g")])[0] > 0
+    assert policy.choose([PolicyRequest("s", 5, greedy=False, seeded=False)])[0] == 0

@@ -7,9 +7,11 @@ Terms:
 - draft step: one batched forward of the drafter over the n sequences still drafting; a draft
   call of K steps costs `draft_call_seconds + sum over steps of draft_step_seconds(n_step)`;
 - overhead: the coordinator's own time per round (scheduling, stop conditions, streaming);
-- sampled rounds (any request with T > 0): the grid is measured greedy; sampling, the draft's
-  q and the accept test cost more, by factors measured once at the largest batch and corrected
-  online apart from the greedy rounds' (a mixed load must not blur the two).
+- sampled rounds (any request with T > 0): the grid is measured greedy. A sampled verify pass
+  that carries proposals also runs the accept test (distributions at every position, the
+  residual): `accept_seconds(b)`, measured at the smallest and largest batch; a sampled draft step
+  costs `sampled_draft_factor` times a greedy one (top-k, q, the draw). Sampled rounds are
+  corrected online apart from greedy ones (a mixed load must not blur the two).
 
 Measuring through DraftClient / TargetClient (not the models directly) prices what the policy
 actually pays, transport included, in process and over gRPC alike.
@@ -20,13 +22,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.round_report import RoundReport
 from specdec.params import SamplingParams
-from specdec.round_types import DraftTask, VerifyTask
+from specdec.round_types import DraftTask, SparseDist, VerifyTask
 
 _REFRESH = 0.1  # weight of each new round in the online corrections
+_RANDOM_Q_WIDTH = 64  # q entries of a stand-in proposal when the drafter sent none to copy
 
 
 @dataclass
@@ -37,8 +41,9 @@ class RoundCosts:
     draft_step: list[float]  # seconds of one draft step, per batch size
     draft_call_seconds: float = 0.0  # a draft call's cost beyond its steps (transport, sync)
     overhead_seconds: float = 0.0
-    sampled_verify_factor: float = 1.0  # a sampled round's verify pass / a greedy one's
-    sampled_draft_factor: float = 1.0  # the same for a draft call
+    sampled_batches: list[int] = field(default_factory=list)  # where the sampled passes were timed
+    sampled_accept_seconds: list[float] = field(default_factory=list)  # sampled verify - greedy, there
+    sampled_draft_factor: float = 1.0  # a sampled draft call / a greedy one
     # Online corrections (measured / predicted), greedy and sampled rounds apart, so a loaded
     # machine shifts every estimate.
     verify_scale: float = 1.0
@@ -64,23 +69,33 @@ class RoundCosts:
         w = min(max((batch - b[i]) / (b[i + 1] - b[i]), 0.0), 1.0)
         return (1 - w) * self._grid[i] + w * self._grid[i + 1]
 
-    def verify_factor(self, sampled: bool = False) -> float:
-        """What the grid's greedy figures are multiplied by for this kind of round."""
-        return self.sampled_verify_factor * self.sampled_verify_scale if sampled else self.verify_scale
-
     def draft_factor(self, sampled: bool = False) -> float:
+        """What the measured (greedy) draft figures are multiplied by for this kind of round."""
         return self.sampled_draft_factor * self.sampled_draft_scale if sampled else self.draft_scale
+
+    def accept_seconds(self, batch: float) -> float:
+        """The sampled accept test's extra time in a verify pass over `batch` sequences."""
+        if not self.sampled_batches:
+            return 0.0
+        return float(np.interp(batch, self.sampled_batches, self.sampled_accept_seconds))
+
+    def grid_seconds(self, batch: float, tokens_per_seq: float | np.ndarray) -> float | np.ndarray:
+        """The measured greedy verify time: bilinear interpolation, the last slope beyond the grid."""
+        row, t = self.verify_row(batch), self._tokens
+        value = np.interp(tokens_per_seq, t, row)
+        if len(t) > 1:
+            slope = (row[-1] - row[-2]) / (t[-1] - t[-2])
+            value = np.where(np.asarray(tokens_per_seq) > t[-1], row[-1] + (tokens_per_seq - t[-1]) * slope, value)
+        return value if np.ndim(value) else float(value)
 
     def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
                        sampled: bool = False) -> float | np.ndarray:
-        """Bilinear interpolation, linear extrapolation in tokens beyond the grid."""
-        row, t = self.verify_row(batch), self._tokens
-        value = np.interp(tokens_per_seq, t, row)
-        if len(t) > 1:  # beyond the grid: keep the last slope
-            slope = (row[-1] - row[-2]) / (t[-1] - t[-2])
-            value = np.where(np.asarray(tokens_per_seq) > t[-1], row[-1] + (tokens_per_seq - t[-1]) * slope, value)
-        factor = self.verify_factor(sampled)
-        return value * factor if np.ndim(value) else float(value) * factor
+        """A verify pass, corrected; a sampled one that verifies proposals (more than one token
+        per sequence on average) adds the accept test."""
+        value = self.grid_seconds(batch, tokens_per_seq) * (self.sampled_verify_scale if sampled else self.verify_scale)
+        if sampled:
+            value = value + np.where(np.asarray(tokens_per_seq) > 1, self.accept_seconds(batch), 0.0)
+        return value if np.ndim(value) else float(value)
 
     def draft_step_seconds(self, sequences: np.ndarray) -> np.ndarray:
         """Unscaled seconds of draft steps advancing that many sequences each (0: no step)."""
@@ -101,20 +116,21 @@ class RoundCosts:
             return
         prefix = "sampled_" if sampled else ""
         tokens = sum(u.proposed + 1 for u in ran) / len(ran)
-        self._correct(prefix + "verify_scale", report.verify_seconds, self.verify_seconds(len(ran), tokens, sampled))
+        accept = self.accept_seconds(len(ran)) if sampled and tokens > 1 else 0.0
+        self._correct(prefix + "verify_scale", report.verify_seconds - accept, self.grid_seconds(len(ran), tokens))
         asked = np.array([u.num_speculative_tokens for u in ran])
         if asked.max(initial=0) > 0 and report.draft_seconds > 0:
             steps = [(asked > s).sum() for s in range(int(asked.max()))]
-            self._correct(prefix + "draft_scale", report.draft_seconds, self.draft_seconds(steps, sampled))
+            unscaled = self.draft_seconds(steps, sampled) / getattr(self, prefix + "draft_scale")
+            self._correct(prefix + "draft_scale", report.draft_seconds, unscaled)
         self.overhead_seconds += _REFRESH * (report.overhead_seconds - self.overhead_seconds)
         self.rounds_seen += 1
 
-    def _correct(self, scale: str, measured: float, predicted: float) -> None:
-        """Move one online correction a step towards what makes `predicted` (computed with it)
-        come out as `measured`."""
-        current = getattr(self, scale)
-        if predicted > 0 and measured > 0 and current > 0:
-            setattr(self, scale, current + _REFRESH * (measured / (predicted / current) - current))
+    def _correct(self, scale: str, measured: float, unscaled: float) -> None:
+        """Move one online correction a step towards measured / (the prediction it multiplies)."""
+        if unscaled > 0 and measured > 0:
+            current = getattr(self, scale)
+            setattr(self, scale, current + _REFRESH * (measured / unscaled - current))
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -151,13 +167,28 @@ def _timed_round(target: TargetClient, draft: DraftClient | None, unsent: dict[s
         found = {r: proposals[r].tokens if r in proposals else [] for r in unsent}
         padding = {r: [int(x) for x in rng.integers(0, vocab_size, k)] for r in unsent}
         tasks = [VerifyTask(r, [], (found[r] + padding[r])[:k], None, params) for r in unsent]
-    else:  # a sampled proposal is verified against the q it was drawn from, as served
-        tasks = [VerifyTask(r, [], proposals[r].tokens, proposals[r].q, params) if r in proposals
-                 else VerifyTask(r, [], [], None, params) for r in unsent]
+    else:  # a sampled proposal is verified against the q it was drawn from, as served; where the
+        # drafter found fewer than k tokens (an n-gram drafter on random text) a random proposal
+        # of the same q width stands in, so the pass is timed at k + 1 per sequence all the same
+        width = max([p.q.token_ids.shape[1] for p in proposals.values() if p.q is not None and p.tokens],
+                    default=_RANDOM_Q_WIDTH)
+        tasks = []
+        for r in unsent:
+            found = proposals.get(r)
+            complete = found is not None and len(found.tokens) == k and found.q is not None
+            tokens, q = (found.tokens, found.q) if complete else _random_proposal(k, width, rng, vocab_size)
+            tasks.append(VerifyTask(r, [], tokens, q, params))
     result = target.verify(tasks, [])
     for outcome in result.outcomes:
         unsent[outcome.req_id] += outcome.tokens
     return drafted - start, time.perf_counter() - drafted
+
+
+def _random_proposal(k: int, width: int, rng: np.random.Generator, vocab_size: int) -> tuple[list[int], SparseDist]:
+    """k random draft tokens, each proposed with a uniform q over `width` random ids (itself among them)."""
+    width = min(width, vocab_size)
+    ids = torch.tensor(np.stack([rng.choice(vocab_size, width, replace=False) for _ in range(k)]), dtype=torch.long)
+    return ids[:, 0].tolist(), SparseDist(token_ids=ids, probs=torch.full((k, width), 1.0 / width))
 
 
 def _time_batch(target: TargetClient, draft: DraftClient | None, ids: list[str], draft_lengths: list[int],
@@ -221,11 +252,13 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     costs = RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid, draft_step=draft_step,
                        draft_call_seconds=float(np.median(draft_call)) if draft_call else 0.0)
     if draft is not None and tokens[-1] > 1:
-        sampled = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0)
-        ids = [f"calibrate-sampled-{i}" for i in range(batches[-1])]
-        (draft_seconds,), (verify_seconds,) = _time_batch(target, draft, ids, [tokens[-1] - 1], repeats, sampled,
-                                                          prompt_tokens, rng, info.vocab_size)
-        steps = [batches[-1]] * (tokens[-1] - 1)
-        costs.sampled_draft_factor = max(draft_seconds / max(costs.draft_seconds(steps), 1e-9), 1.0)
-        costs.sampled_verify_factor = max(verify_seconds / max(grid[-1][-1], 1e-9), 1.0)
+        sampled, k = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0), tokens[-1] - 1
+        for b in sorted({batches[0], batches[-1]}):
+            ids = [f"calibrate-sampled-{b}-{i}" for i in range(b)]
+            (draft_seconds,), (verify_seconds,) = _time_batch(target, draft, ids, [k], repeats, sampled,
+                                                              prompt_tokens, rng, info.vocab_size)
+            costs.sampled_batches.append(b)
+            costs.sampled_accept_seconds.append(max(verify_seconds - grid[batches.index(b)][-1], 0.0))
+            if b == batches[-1]:
+                costs.sampled_draft_factor = max(draft_seconds / max(costs.draft_seconds([b] * k), 1e-9), 1.0)
     return costs

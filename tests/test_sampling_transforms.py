@@ -111,15 +111,14 @@ def test_low_precision_logits_computed_in_float32(dtype):
     torch.testing.assert_close(probs, probs_from_logits(low.float(), bp, pres))
 
 
-def test_repeat_interleave_and_from_params():
-    bp = BatchSamplingParams.from_params([SamplingParams(temperature=0.5, top_k=3),
-                                          SamplingParams(top_p=0.5, repetition_penalty=1.2)])
-    r = bp.repeat_interleave([2, 3])
+def test_from_params_one_row_per_position():
+    params = [SamplingParams(temperature=0.5, top_k=3), SamplingParams(top_p=0.5, repetition_penalty=1.2)]
+    r = BatchSamplingParams.from_params([p for p, n in zip(params, [2, 3]) for _ in range(n)])
     assert r.temperature.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0]
     assert r.top_k.tolist() == [3, 3, 0, 0, 0] and r.top_k.dtype == torch.int64
     assert r.top_p.tolist() == [1.0, 1.0, 0.5, 0.5, 0.5]
     torch.testing.assert_close(r.repetition_penalty, torch.tensor([1.0, 1.0, 1.2, 1.2, 1.2]))
-    assert len(bp.repeat_interleave(torch.tensor([0, 1]))) == 1
+    assert (r.any_greedy, r.all_greedy, r.any_top_k, r.any_top_p) == (True, False, True, False)
 
 
 def test_presence_mask():

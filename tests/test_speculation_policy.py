@@ -185,21 +185,36 @@ def test_round_costs_interpolate_and_follow_measurements():
 
 def test_sampled_rounds_are_priced_and_corrected_apart_from_greedy_ones():
     """Sampling, q and the accept test make a sampled round dearer than the greedy grid says: the
-    measured factors price it, and its online corrections leave the greedy figures alone."""
+    measured accept time and draft factor price it, and its online corrections leave the greedy
+    figures alone."""
     c = costs(draft_step=0.05, verify_slope=0.1)
-    c.sampled_draft_factor, c.sampled_verify_factor = 3.0, 1.5
+    c.sampled_draft_factor, c.sampled_batches, c.sampled_accept_seconds = 3.0, [1, 32], [0.2, 0.5]
     assert c.draft_seconds([1], sampled=True) == pytest.approx(3 * c.draft_seconds([1]))
-    assert c.verify_seconds(1, 2, sampled=True) == pytest.approx(1.5 * c.verify_seconds(1, 2))
+    assert c.verify_seconds(1, 2, sampled=True) == pytest.approx(c.verify_seconds(1, 2) + 0.2)
+    assert c.verify_seconds(8, 1, sampled=True) == pytest.approx(c.verify_seconds(8, 1))  # nothing to accept
+    assert c.accept_seconds(32) == pytest.approx(0.5)
     sampled_round = RoundReport(updates=[outcome("s", 1, 1, asked=1)], ran=True,
-                                verify_seconds=2 * c.verify_seconds(1, 2, sampled=True),
+                                verify_seconds=2 * c.verify_seconds(1, 2) + 0.2,
                                 draft_seconds=2 * c.draft_seconds([1], sampled=True), total_seconds=10.0)
     for _ in range(60):
         c.observe(sampled_round, sampled=True)
     assert c.sampled_verify_scale == pytest.approx(2.0, rel=0.01)
     assert c.sampled_draft_scale == pytest.approx(2.0, rel=0.01)
     assert c.verify_scale == 1.0 and c.draft_scale == 1.0
-    cached = RoundCosts.from_json(c.to_json())  # the measured factors are kept, the corrections not
-    assert (cached.sampled_draft_factor, cached.sampled_draft_scale) == (3.0, 1.0)
+    cached = RoundCosts.from_json(c.to_json())  # the measured figures are kept, the corrections not
+    assert (cached.sampled_draft_factor, cached.sampled_accept_seconds) == (3.0, [0.2, 0.5])
+    assert cached.sampled_draft_scale == 1.0
+
+
+def test_an_accept_test_dearer_than_what_a_poor_draft_brings_stops_speculation():
+    """A drafter that costs nothing (n-gram) with acceptance 0.1: one more verified token is
+    nearly free at batch 1, so greedy requests draft; a sampled round pays the accept test too,
+    more than the 10% it brings, so sampled requests decode plainly."""
+    c = costs(draft_step=0.0, verify_slope=0.01)
+    c.sampled_batches, c.sampled_accept_seconds = [1, 32], [0.15, 0.3]
+    policy = SpeculationPolicy(c, reference_draft_cost=0.0, initial_prior=0.1)
+    assert policy.choose([greedy("g")])[0] > 0
+    assert policy.choose([PolicyRequest("s", 5, greedy=False, seeded=False)])[0] == 0
 
 
 def test_a_draft_that_samples_slowly_is_not_used_for_sampled_requests():

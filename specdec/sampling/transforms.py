@@ -54,18 +54,6 @@ class BatchSamplingParams:
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
         )
 
-    def repeat_interleave(self, counts: torch.Tensor | list[int]) -> BatchSamplingParams:
-        """Row i repeated counts[i] times (a sequence verified at several positions)."""
-        counts = torch.as_tensor(counts, dtype=torch.int64, device=self.temperature.device)
-        return BatchSamplingParams(
-            temperature=self.temperature.repeat_interleave(counts),
-            top_k=self.top_k.repeat_interleave(counts),
-            top_p=self.top_p.repeat_interleave(counts),
-            repetition_penalty=self.repetition_penalty.repeat_interleave(counts),
-            any_greedy=self.any_greedy, all_greedy=self.all_greedy, any_top_k=self.any_top_k,
-            any_top_p=self.any_top_p,
-        )
-
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0

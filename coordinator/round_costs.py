@@ -3,7 +3,8 @@ refreshed from every RoundReport.
 
 Terms:
 - verify pass: one target call over b sequences, each fed t tokens (t = its K + 1);
-  `verify_seconds(b, t)` interpolates a grid measured over batch sizes and tokens per sequence;
+  `grid_seconds(b, t)` interpolates a grid measured (greedy) over batch sizes and tokens per
+  sequence, `verify_seconds(b, t, sampled)` adds the online correction and the accept test;
 - draft step: one batched forward of the drafter over the n sequences still drafting; a draft
   call of K steps costs `draft_call_seconds + sum over steps of draft_step_seconds(n_step)`;
 - overhead: the coordinator's own time per round (scheduling, stop conditions, streaming);
@@ -119,7 +120,9 @@ class RoundCosts:
         accept = self.accept_seconds(len(ran)) if sampled and tokens > 1 else 0.0
         self._correct(prefix + "verify_scale", report.verify_seconds - accept, self.grid_seconds(len(ran), tokens))
         asked = np.array([u.num_speculative_tokens for u in ran])
-        if asked.max(initial=0) > 0 and report.draft_seconds > 0:
+        # A call that first fed a backlog (requests back from K = 0) says little about draft steps:
+        # counting it would price every later step as if it carried the catch-up.
+        if asked.max(initial=0) > 0 and report.draft_seconds > 0 and not report.draft_catch_up:
             steps = [(asked > s).sum() for s in range(int(asked.max()))]
             unscaled = self.draft_seconds(steps, sampled) / getattr(self, prefix + "draft_scale")
             self._correct(prefix + "draft_scale", report.draft_seconds, unscaled)
@@ -221,9 +224,10 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     tokens go back to the drafter, as in serving. Interleaving matters: a draft step right after a
     target pass runs with the target's weights in the caches, about twice as slow as back-to-back
     draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Then the
-    deepest rounds of the largest batch once more with sampled requests ("calibrate-sampled-<i>"):
-    the sampled factors. Batch sizes whose sequences would not fit the target's KV cache are left
-    out; every request is released."""
+    deepest rounds of the smallest and the largest batch once more with sampled requests
+    ("calibrate-sampled-<batch>-<i>"): the accept test's time and the sampled draft factor. Batch
+    sizes whose sequences would not fit the target's KV cache are left out; every request is
+    released."""
     info = target.info()
     batches, tokens = measurement_grid(max_batch_size, max_speculative_tokens)
     growth = (repeats + 1) * sum(tokens) + 1  # at most t tokens committed per timed round

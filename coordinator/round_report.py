@@ -41,6 +41,7 @@ class RoundReport:
     ran: bool = False  # a target pass ran; False when the step only expired or released requests
     batch_size: int = 0  # requests in the round
     draft_seconds: float = 0.0  # in the draft worker's call (compute + transport)
+    draft_catch_up: int = 0  # committed tokens the draft call fed beyond one round's worth (after K = 0)
     verify_seconds: float = 0.0  # in the target worker's call
     total_seconds: float = 0.0  # the whole step
     queue_depth: int = 0  # requests waiting for admission after the round

@@ -456,6 +456,10 @@ class Scheduler:
         if not (any(t.num_speculative_tokens for t in tasks) or self._release_draft):
             return proposals
         finished, self._release_draft = self._release_draft, []
+        # What a request committed since its last draft call beyond one round (K + 1 tokens): the
+        # backlog of its rounds at K = 0 (or its prompt), which this call feeds first.
+        report.draft_catch_up = sum(max(len(t.new_tokens) - self.running[t.req_id].num_speculative_tokens - 1, 0)
+                                    for t in tasks if t.num_speculative_tokens)
         start = time.perf_counter()
         try:
             replies = self.draft.propose(tasks, finished)

@@ -29,9 +29,10 @@ back doubles the wait, up to MAX_PROBE_AFTER rounds. Unseeded requests probe tog
 is due, every unseeded request at 0 probes in the same round, so a batch pays for one draft call
 per probe round instead of one for each request's own clock. And they probe on a budget: a probe
 round's net cost (its predicted time beyond what its expected tokens are worth at the plain
-round's rate) is paid from a credit that every round that runs adds PROBE_SHARE of its predicted
-time to, so probing can cost a draft that never pays at most about that share of throughput (at
-batch 8 on the dev machine, each request probing on its own clock cost 12% on prose). Seeded
+round's rate) is paid from a credit that every round in which a probe is due adds PROBE_SHARE of
+its predicted time to, so probing a draft that never pays costs at most about that share of
+throughput (at batch 8 on the dev machine, each request probing on its own clock cost 12% on
+prose). Seeded
 requests keep their own clocks and no budget: their K may depend on their own history only.
 
 choose() changes no state: a round that then fails (a worker died) leaves the policy as it was,
@@ -99,6 +100,7 @@ class SpeculationPolicy:
         self._chosen: dict[str, str] = {}  # req_id -> why its K was chosen: "merit" | "probe" | "zero"
         self._probe_credit = 0.0  # seconds that unseeded probes may still spend
         self._credit_change = 0.0  # what the chosen round adds to (or takes from) it, once it ran
+        self._credit_cap = 0.0  # the most it may hold after the chosen round
 
     # -- estimates ------------------------------------------------------------------------------
     def prior(self, request: PolicyRequest) -> float:
@@ -111,7 +113,8 @@ class SpeculationPolicy:
 
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round's outcomes into the estimates (`greedy`: req_id -> greedy request)."""
-        self._probe_credit = max(self._probe_credit + self._credit_change, 0.0)
+        if self._credit_change:
+            self._probe_credit = min(max(self._probe_credit + self._credit_change, 0.0), self._credit_cap)
         self._credit_change = 0.0
         for update in report.updates:
             why = self._chosen.pop(update.req_id, None)
@@ -180,8 +183,8 @@ class SpeculationPolicy:
         tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
         net_cost = max(seconds[1] - tokens[1] * seconds[0] / tokens[0], 0.0)
         self._credit_change = PROBE_SHARE * seconds[0]
-        self._probe_credit = min(self._probe_credit, CREDIT_ROUNDS * PROBE_SHARE * seconds[0])
-        if self._probe_credit + self._credit_change < net_cost:
+        self._credit_cap = CREDIT_ROUNDS * PROBE_SHARE * seconds[0]
+        if min(self._probe_credit, self._credit_cap) + self._credit_change < net_cost:
             return False
         self._credit_change -= net_cost
         return True

@@ -645,3 +645,33 @@ def test_draft_q_rows_keep_their_own_width_in_mixed_batches(target_dir):
         if p.q is not None:  # every drafted token lies in its own q's support
             for row, token in enumerate(p.tokens):
                 assert float(p.q.probs[row][p.q.token_ids[row] == token].sum()) > 0
+
+
+class _ScriptedK:
+    """A stand-in policy that asks the same K of every request each round, from a script."""
+
+    def __init__(self, script: list[int]):
+        self.script, self.reports = list(script), []
+
+    def choose(self, requests) -> list[int]:
+        k = self.script.pop(0) if self.script else 0
+        return [min(k, r.cap) for r in requests]
+
+    def observe(self, report, greedy) -> None:
+        self.reports.append(report)
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+
+def test_a_request_back_from_k_zero_reports_the_backlog_its_draft_call_fed(target_dir):
+    """Rounds at K = 0 leave the drafter behind; the call that resumes drafting feeds the backlog
+    first, and the round report says how much (the cost model must not take it for step time)."""
+    engine = _engine(target_dir, draft="self", num_speculative_tokens=2)
+    policy = engine.scheduler.policy = _ScriptedK([2, 0, 0, 0, 0, 2])
+    engine.generate([[5, 17, 42, 8]], [SamplingParams(max_new_tokens=14, ignore_eos=True)])
+    drafted = [r for r in policy.reports if r.ran and any(u.num_speculative_tokens for u in r.updates)]
+    assert drafted[0].draft_catch_up == 4 - 3  # the prompt: 4 tokens, one round's worth is 3
+    first_round = len(drafted[0].updates[0].token_ids)
+    assert drafted[1].draft_catch_up == first_round + 4 - 3  # that round's tokens, 4 rounds at K = 0, less 3
+    _assert_caches_empty(engine)

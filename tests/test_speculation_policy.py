@@ -225,3 +225,17 @@ def test_a_draft_that_samples_slowly_is_not_used_for_sampled_requests():
     policy = SpeculationPolicy(c, reference_draft_cost=0.1, initial_prior=0.5)
     assert policy.choose([greedy("g")])[0] > 0
     assert policy.choose([PolicyRequest("s", 5, greedy=False, seeded=False)])[0] == 0
+
+
+def test_a_draft_call_that_feeds_a_backlog_does_not_price_the_draft_steps():
+    """A request back from K = 0 first feeds the drafter everything it committed meanwhile: that
+    call is slow for a reason no later step shares, so it must not raise the per-step estimate."""
+    c = costs(draft_step=0.05)
+    back = RoundReport(updates=[outcome("a", 3, 1, asked=3)], ran=True, verify_seconds=c.verify_seconds(1, 4),
+                       draft_seconds=20 * c.draft_seconds([1, 1, 1]), draft_catch_up=40, total_seconds=5.0)
+    for _ in range(30):
+        c.observe(back)
+    assert c.draft_scale == 1.0
+    c.observe(RoundReport(updates=back.updates, ran=True, verify_seconds=back.verify_seconds,
+                          draft_seconds=back.draft_seconds, total_seconds=5.0))
+    assert c.draft_scale > 1.0  # the same call without a backlog does count

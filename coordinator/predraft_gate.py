@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.decayed_rate import DecayedRate
+
 DECAY = 0.8
 GLOBAL_DECAY = 0.95
 PRIOR_WEIGHT = 3.0
@@ -34,18 +36,13 @@ BATCH_THRESHOLD = 0.3
 
 
 @dataclass
-class _Record:
+class _Record(DecayedRate):
+    """A request's pre-draft record (successes: kept, trials: tried) and the rounds it was turned
+    down since its last pre-draft."""
+
     decay: float = DECAY
-    hits: float = 0.0
-    tries: float = 0.0
+    prior_weight: float = PRIOR_WEIGHT
     rounds_off: int = 0
-
-    def add(self, hit: bool) -> None:
-        self.hits = self.decay * self.hits + hit
-        self.tries = self.decay * self.tries + 1
-
-    def rate(self, prior: float) -> float:
-        return (PRIOR_WEIGHT * prior + self.hits) / (PRIOR_WEIGHT + self.tries)
 
 
 class PreDraftGate:
@@ -80,8 +77,8 @@ class PreDraftGate:
         return {req_id for req_id, _, seeded in candidates if seeded and req_id in admitted}
 
     def observe(self, req_id: str, greedy: bool, hit: bool) -> None:
-        self._records.setdefault(req_id, _Record()).add(hit)
-        self._global[greedy].add(hit)
+        self._records.setdefault(req_id, _Record()).add(hit, 1)
+        self._global[greedy].add(hit, 1)
 
     def forget(self, req_id: str) -> None:
         self._records.pop(req_id, None)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.decayed_rate import DecayedRate
 from coordinator.round_costs import RoundCosts
 from coordinator.round_report import RoundReport
 
@@ -68,20 +69,17 @@ class PolicyRequest:
 
 
 @dataclass
-class _Evidence:
+class _Evidence(DecayedRate):
+    """A request's acceptance record (successes: accepted draft tokens, trials: tested ones) and
+    its probe clock."""
+
     decay: float = DECAY
-    accepted: float = 0.0
-    tested: float = 0.0
+    prior_weight: float = PRIOR_WEIGHT
     rounds_at_zero: int = 0
     probe_after: int = PROBE_AFTER
 
-    def add(self, accepted: int, tested: int) -> None:
-        self.accepted = self.decay * self.accepted + accepted
-        self.tested = self.decay * self.tested + tested
-
     def alpha(self, prior: float) -> float:
-        estimate = (PRIOR_WEIGHT * prior + self.accepted) / (PRIOR_WEIGHT + self.tested)
-        return min(max(estimate, 0.0), _ALPHA_MAX)
+        return min(max(self.rate(prior), 0.0), _ALPHA_MAX)
 
 
 def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:

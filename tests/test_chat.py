@@ -6,49 +6,35 @@ from __future__ import annotations
 import argparse
 import io
 from contextlib import redirect_stderr, redirect_stdout
-from types import SimpleNamespace
 
 import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from coordinator.server_thread import run_server_in_thread
-from specdec import LocalEngine
 from specdec.app import generate as generate_command
-from specdec.app.embedded import LocalSchedulerFactory
-from specdec.client import GenerationClient
 from specdec.params import SamplingParams
 from specdec.tokenizer import render_chat
 
-from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
-from test_server_e2e import KV, MAX_POS, SAMPLED, save_tokenizer, service_config
+from test_server_e2e import SAMPLED, build_pair, local_reference, serving
 
-K = 4
 CHAT = [{"role": "system", "content": "speculative decoding drafts tokens"},
         {"role": "user", "content": "hello server, the quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = build_checkpoint(tmp_path_factory.mktemp("chat-target"), seed=0, max_position_embeddings=MAX_POS,
-                              **CONFIGS["gqa_untied"])
-    save_tokenizer(target)
-    add_chat_template(target)
-    draft = perturbed_copy(target, tmp_path_factory.mktemp("chat-draft"), noise=0.3)
-    return SimpleNamespace(target=str(target), draft=str(draft))
+    return build_pair(tmp_path_factory, "chat", chat_template=True)
 
 
 @pytest.fixture(scope="module")
 def reference(models):
-    return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, adaptive=False, **KV)
+    return local_reference(models)
 
 
 @pytest.fixture(scope="module")
 def served(models):
-    factory = LocalSchedulerFactory(service_config(models))
-    with run_server_in_thread(factory, factory.tokenizer) as handle:
-        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
-            yield SimpleNamespace(handle=handle, client=client)
+    with serving(models) as handle:
+        yield handle
 
 
 # --- the rendering ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -28,7 +28,7 @@ from specdec.params import SamplingParams
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
+from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
 
 K = 4
 MAX_POS = 128
@@ -51,12 +51,15 @@ def save_tokenizer(path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target = build_checkpoint(tmp_path_factory.mktemp("srv-target"), seed=0, max_position_embeddings=MAX_POS,
+def build_pair(tmp_path_factory, name: str, chat_template: bool = False) -> SimpleNamespace:
+    """A random target with a trained tokenizer (and, if asked, a chat template) and a perturbed
+    copy of it as the draft."""
+    target = build_checkpoint(tmp_path_factory.mktemp(f"{name}-target"), seed=0, max_position_embeddings=MAX_POS,
                               **CONFIGS["gqa_untied"])
     save_tokenizer(target)
-    draft = perturbed_copy(target, tmp_path_factory.mktemp("srv-draft"), noise=0.3)
+    if chat_template:
+        add_chat_template(target)
+    draft = perturbed_copy(target, tmp_path_factory.mktemp(f"{name}-draft"), noise=0.3)
     return SimpleNamespace(target=str(target), draft=str(draft))
 
 
@@ -65,17 +68,34 @@ def service_config(models, draft="model", **settings) -> ServiceConfig:
                                        num_speculative_tokens=K, adaptive=False, **KV, **settings)
 
 
-@pytest.fixture(scope="module")
-def reference(models):
+def local_reference(models) -> LocalEngine:
+    """What the served pair must answer: the same models in process, K fixed."""
     return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, adaptive=False, **KV)
 
 
-@pytest.fixture(scope="module")
-def served(models):
+@contextmanager
+def serving(models):
+    """The pair behind an in-process gRPC server on loopback, and a client of it."""
     factory = LocalSchedulerFactory(service_config(models))
     with run_server_in_thread(factory, factory.tokenizer) as handle:
         with GenerationClient(f"127.0.0.1:{handle.port}") as client:
             yield SimpleNamespace(handle=handle, client=client, factory=factory, scheduler=handle.server.scheduler)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_pair(tmp_path_factory, "srv")
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return local_reference(models)
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    with serving(models) as handle:
+        yield handle
 
 
 def expected(reference, prompt, n=24, k=None, **sampling):

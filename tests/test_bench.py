@@ -148,17 +148,23 @@ def test_left_pad():
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
-def test_bench_end_to_end(tmp_path, capsys):
-    from specdec.app.cli import main
-
+def bench_inputs(tmp_path, num_prompts: int):
+    """A tiny random target, a close copy as its draft, and a prompt file of repeating token ids
+    named code.jsonl (a --prompts file's set is its stem, so the code targets apply to it)."""
     target = build_checkpoint(tmp_path / "target", seed=0, **CONFIGS["gqa_untied"])
     draft = perturbed_copy(target, tmp_path / "draft", noise=0.05)
     rng = random.Random(0)
-    # Named code.jsonl: a --prompts file's set is its stem, so the code targets apply to it.
     prompts = tmp_path / "code.jsonl"
     with prompts.open("w") as f:
-        for _ in range(4):
+        for _ in range(num_prompts):
             f.write(json.dumps({"prompt_ids": [rng.randrange(300) for _ in range(6)] * 2}) + "\n")
+    return target, draft, prompts
+
+
+def test_bench_end_to_end(tmp_path, capsys):
+    from specdec.app.cli import main
+
+    target, draft, prompts = bench_inputs(tmp_path, num_prompts=4)
     out = tmp_path / "out"
     k, max_new = 5, 12  # 12 tokens: room for the adaptive policy to probe after its rounds at K = 0
     rc = main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--quick",

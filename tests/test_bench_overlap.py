@@ -3,21 +3,14 @@ target and the draft in their own worker processes, on tiny random checkpoints."
 from __future__ import annotations
 
 import json
-import random
 
-from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
+from test_bench import bench_inputs
 
 
 def test_bench_overlap_compares_plain_serial_and_overlapped_with_workers_in_processes(tmp_path, capsys):
     from specdec.app.cli import main
 
-    target = build_checkpoint(tmp_path / "target", seed=0, **CONFIGS["gqa_untied"])
-    draft = perturbed_copy(target, tmp_path / "draft", noise=0.05)
-    rng = random.Random(0)
-    prompts = tmp_path / "code.jsonl"
-    with prompts.open("w") as f:
-        for _ in range(2):
-            f.write(json.dumps({"prompt_ids": [rng.randrange(300) for _ in range(6)] * 2}) + "\n")
+    target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
     out = tmp_path / "out"
     rc = main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--quick",
                "--max-new-tokens", "16", "--batch-sizes", "1", "--overlap-only", "--overlap-repeats", "1",

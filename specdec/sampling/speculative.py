@@ -23,9 +23,9 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     Never returns a zero-probability token, even with u close to 1 or a parallel (GPU) cumsum
     whose rounding differs between neighbours. Rows must have positive mass.
     """
-    probs = probs.double()
+    probs, uniforms = probs.double(), uniforms.double().to(probs.device)
     cdf = torch.cumsum(probs, dim=-1)
-    idx = _search(cdf, uniforms.double().to(probs.device))
+    idx = _search(cdf, uniforms)
     # searchsorted(right=True) picks the first index whose cdf exceeds the target. A sequential
     # cumsum (the CPU's) never decreases, so that index is a strict increase: a token with
     # positive probability. A parallel scan may round a zero-probability token's value above its
@@ -34,7 +34,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     if bool(bad.any()):
         # At zero-probability tokens repeat the previous value, and force monotonicity with cummax.
         repaired = torch.where(probs[bad] > 0, cdf[bad], 0.0).cummax(dim=-1).values
-        idx[bad] = _search(repaired, uniforms.double().to(probs.device)[bad])
+        idx[bad] = _search(repaired, uniforms[bad])
     return idx
 
 

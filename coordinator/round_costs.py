@@ -5,6 +5,13 @@ Terms:
 - verify pass: one target call over b sequences, each fed t tokens (t = its K + 1);
   `grid_seconds(b, t)` interpolates a grid measured (greedy) over batch sizes and tokens per
   sequence, `verify_seconds(b, t, sampled)` adds the online correction and the accept test;
+- ragged pass: sequences fed different numbers of tokens. Attention runs over a layout padded to
+  the longest, so one sequence at K = 5 among seven at 0 costs nearly what all eight at 5 cost
+  (measured: 9.4 ms against 4.8 ms for all at 0 and 12.2 ms for all at 5). It is priced as a
+  uniform pass of `effective_tokens(mean, longest) = mean + ragged_share * (longest - mean)`
+  tokens per sequence, ragged_share measured on one half-and-half pass at the largest batch;
+- catch-up: a request back from K = 0 first feeds the drafter every token committed meanwhile,
+  `catch_up_token_seconds` each (a prior from the draft step grid, corrected online);
 - draft step: one batched forward of the drafter over the n sequences still drafting; a draft
   call of K steps costs `draft_call_seconds + sum over steps of draft_step_seconds(n_step)`;
 - overhead: the coordinator's own time per round (scheduling, stop conditions, streaming);
@@ -31,6 +38,7 @@ from specdec.params import SamplingParams
 from specdec.round_types import DraftTask, SparseDist, VerifyTask
 
 _REFRESH = 0.1  # weight of each new round in the online corrections
+RAGGED_CONTEXT = 256  # tokens per sequence of the ragged-pass timing (bounded by the cache)
 _RANDOM_Q_WIDTH = 64  # q entries of a stand-in proposal when the drafter sent none to copy
 
 
@@ -45,6 +53,8 @@ class RoundCosts:
     sampled_batches: list[int] = field(default_factory=list)  # where the sampled passes were timed
     sampled_accept_seconds: list[float] = field(default_factory=list)  # sampled verify - greedy, there
     sampled_draft_factor: float = 1.0  # a sampled draft call / a greedy one
+    ragged_share: float = 0.0  # of the longest sequence's extra tokens, what a ragged pass pays for all
+    catch_up_token_seconds: float | None = None  # None: one sequence's share of the largest draft step
     # Online corrections (measured / predicted), greedy and sampled rounds apart, so a loaded
     # machine shifts every estimate.
     verify_scale: float = 1.0
@@ -60,9 +70,23 @@ class RoundCosts:
         self._batches = np.asarray(self.batch_sizes, dtype=np.float64)
         self._tokens = np.asarray(self.verify_tokens, dtype=np.float64)
         self._draft = np.asarray(self.draft_step, dtype=np.float64)
+        self._rows: dict[float, np.ndarray] = {}  # verify_row by batch size: the policy asks each round
+        self._steps_by_count: dict[int, np.ndarray] = {}
+        if self.catch_up_token_seconds is None:
+            self.catch_up_token_seconds = float(self._draft[-1] / self._batches[-1])
+
+    def effective_tokens(self, mean: float | np.ndarray, longest: float | np.ndarray) -> float | np.ndarray:
+        """Tokens per sequence of the uniform pass that costs what a ragged one does."""
+        return mean + self.ragged_share * (np.asarray(longest) - mean)
 
     def verify_row(self, batch: float) -> np.ndarray:
         """Unscaled verify seconds at this batch size for each of verify_tokens."""
+        row = self._rows.get(batch)
+        if row is None:
+            row = self._rows[batch] = self._interpolated_row(batch)
+        return row
+
+    def _interpolated_row(self, batch: float) -> np.ndarray:
         b = self._batches
         i = int(np.clip(np.searchsorted(b, batch) - 1, 0, max(len(b) - 2, 0)))
         if len(b) == 1:
@@ -98,6 +122,13 @@ class RoundCosts:
             value = value + np.where(np.asarray(tokens_per_seq) > 1, self.accept_seconds(batch), 0.0)
         return value if np.ndim(value) else float(value)
 
+    def draft_steps_by_count(self, batch: int) -> np.ndarray:
+        """draft_step_seconds(n) for n = 0 .. batch, looked up by the policy every round."""
+        table = self._steps_by_count.get(batch)
+        if table is None:
+            table = self._steps_by_count[batch] = self.draft_step_seconds(np.arange(batch + 1))
+        return table
+
     def draft_step_seconds(self, sequences: np.ndarray) -> np.ndarray:
         """Unscaled seconds of draft steps advancing that many sequences each (0: no step)."""
         return np.interp(sequences, self._batches, self._draft) * (np.asarray(sequences) > 0)
@@ -109,6 +140,10 @@ class RoundCosts:
             return 0.0
         return (self.draft_call_seconds + float(self.draft_step_seconds(steps).sum())) * self.draft_factor(sampled)
 
+    def catch_up_seconds(self, tokens: int, sampled: bool = False) -> float:
+        """What feeding the drafter `tokens` committed tokens beyond one round's worth adds to a call."""
+        return tokens * self.catch_up_token_seconds * self.draft_factor(sampled)
+
     def observe(self, report: RoundReport, sampled: bool = False) -> None:
         """Fold a round's measured times into the corrections (`sampled`: a round with a sampled
         request in it)."""
@@ -116,16 +151,22 @@ class RoundCosts:
         if not report.ran or not ran:
             return
         prefix = "sampled_" if sampled else ""
-        tokens = sum(u.proposed + 1 for u in ran) / len(ran)
+        fed = [u.proposed + 1 for u in ran]
+        tokens = self.effective_tokens(sum(fed) / len(fed), max(fed))
         accept = self.accept_seconds(len(ran)) if sampled and tokens > 1 else 0.0
-        self._correct(prefix + "verify_scale", report.verify_seconds - accept, self.grid_seconds(len(ran), tokens))
+        if not report.target_prefill:  # a pass that first fed prompts says nothing about verifying
+            self._correct(prefix + "verify_scale", report.verify_seconds - accept, self.grid_seconds(len(ran), tokens))
         asked = np.array([u.num_speculative_tokens for u in ran])
-        # A call that first fed a backlog (requests back from K = 0) says little about draft steps:
-        # counting it would price every later step as if it carried the catch-up.
-        if asked.max(initial=0) > 0 and report.draft_seconds > 0 and not report.draft_catch_up:
+        if asked.max(initial=0) > 0 and report.draft_seconds > 0:
             steps = [(asked > s).sum() for s in range(int(asked.max()))]
-            unscaled = self.draft_seconds(steps, sampled) / getattr(self, prefix + "draft_scale")
-            self._correct(prefix + "draft_scale", report.draft_seconds, unscaled)
+            if report.draft_catch_up:  # what the call took beyond its steps prices the catch-up tokens
+                beyond = report.draft_seconds - self.draft_seconds(steps, sampled)
+                if beyond > 0:
+                    per_token = beyond / report.draft_catch_up / self.draft_factor(sampled)
+                    self.catch_up_token_seconds += _REFRESH * (per_token - self.catch_up_token_seconds)
+            else:  # (a call that fed a backlog would price every later step as if it carried one)
+                unscaled = self.draft_seconds(steps, sampled) / getattr(self, prefix + "draft_scale")
+                self._correct(prefix + "draft_scale", report.draft_seconds, unscaled)
         self.overhead_seconds += _REFRESH * (report.overhead_seconds - self.overhead_seconds)
         self.rounds_seen += 1
 
@@ -137,7 +178,8 @@ class RoundCosts:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen"):
+        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen",
+                       "catch_up_token_seconds"):
             data.pop(online)
         return data
 
@@ -217,6 +259,37 @@ def _time_batch(target: TargetClient, draft: DraftClient | None, ids: list[str],
             draft.propose([], ids)
 
 
+def _ragged_share(target: TargetClient, batch: int, top: int, repeats: int, params: SamplingParams,
+                  context_tokens: int, rng: np.random.Generator, vocab_size: int) -> float:
+    """Where between the uniform passes around it (every sequence fed 1 token, every one fed
+    `top`) a pass in which half the sequences verify `top` tokens and the others 1 costs, as a
+    share of the way from the straight line at their mean to the longest. Timed greedy at
+    `batch` sequences of `context_tokens` (ids "calibrate-ragged-<i>", released at the end): the
+    padding is attention's, which grows with the context, so it is timed at a serving-like
+    length rather than the grid's short one."""
+    ids = [f"calibrate-ragged-{i}" for i in range(batch)]
+    shapes = {"low": [1] * batch, "high": [top] * batch, "ragged": [top if i % 2 else 1 for i in range(batch)]}
+    try:
+        target.verify([VerifyTask(r, [int(t) for t in rng.integers(0, vocab_size, context_tokens)], [], None, params)
+                       for r in ids], [])
+        best = dict.fromkeys(shapes, float("inf"))
+        for attempt in range(repeats + 1):
+            for name, fed in shapes.items():
+                tasks = [VerifyTask(r, [], [int(t) for t in rng.integers(0, vocab_size, n - 1)], None, params)
+                         for r, n in zip(ids, fed)]
+                start = time.perf_counter()
+                target.verify(tasks, [])
+                if attempt:  # the first is a warm-up
+                    best[name] = min(best[name], time.perf_counter() - start)
+    finally:
+        target.verify([], ids)
+    mean = sum(shapes["ragged"]) / batch
+    at_mean = best["low"] + (mean - 1) / (top - 1) * (best["high"] - best["low"])
+    if best["high"] <= at_mean:
+        return 0.0
+    return float(np.clip((best["ragged"] - at_mean) / (best["high"] - at_mean), 0.0, 1.0))
+
+
 def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq_len: int, max_batch_size: int,
                         max_speculative_tokens: int, repeats: int = 4) -> RoundCosts:
     """Time real rounds over a grid of batch sizes and draft lengths: the drafter proposes for
@@ -225,7 +298,8 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     target pass runs with the target's weights in the caches, about twice as slow as back-to-back
     draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Then the
     deepest rounds of the smallest and the largest batch once more with sampled requests
-    ("calibrate-sampled-<batch>-<i>"): the accept test's time and the sampled draft factor. Batch
+    ("calibrate-sampled-<batch>-<i>"): the accept test's time and the sampled draft factor; and
+    ragged passes at the largest batch (_ragged_share). Batch
     sizes whose sequences would not fit the target's KV cache are left out; every request is
     released."""
     info = target.info()
@@ -255,6 +329,11 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
             draft_step.append(0.0)
     costs = RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid, draft_step=draft_step,
                        draft_call_seconds=float(np.median(draft_call)) if draft_call else 0.0)
+    if batches[-1] > 1 and tokens[-1] > 1:
+        # Each ragged sequence grows by at most 1 + 1 + top tokens per attempt.
+        context = min(RAGGED_CONTEXT, max_seq_len // 2, room) - (repeats + 1) * (tokens[-1] + 2)
+        costs.ragged_share = _ragged_share(target, batches[-1], tokens[-1], repeats, greedy,
+                                           max(context, prompt_tokens), rng, info.vocab_size)
     if draft is not None and tokens[-1] > 1:
         sampled, k = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0), tokens[-1] - 1
         for b in sorted({batches[0], batches[-1]}):

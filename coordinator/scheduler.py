@@ -272,7 +272,8 @@ class Scheduler:
         caps = [self._cap(run) for run in runs]
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
-        asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run))
+        asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run),
+                              backlog=max(len(run.unsent_to_draft) - run.num_speculative_tokens - 1, 0))
                 for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 
@@ -343,6 +344,7 @@ class Scheduler:
                 draft_tokens=proposal.tokens if proposal else [],
                 q=proposal.q if proposal else None,
                 params=run.request.params))
+        report.target_prefill = sum(len(task.new_tokens) for task in tasks)
         predraft = self._send_predraft(runs, asked, proposals, report) if drafting else None
         finished, self._release_target = self._release_target, []
         start = time.perf_counter()

@@ -651,9 +651,10 @@ class _ScriptedK:
     """A stand-in policy that asks the same K of every request each round, from a script."""
 
     def __init__(self, script: list[int]):
-        self.script, self.reports = list(script), []
+        self.script, self.reports, self.backlogs = list(script), [], []
 
     def choose(self, requests) -> list[int]:
+        self.backlogs.append([r.backlog for r in requests])
         k = self.script.pop(0) if self.script else 0
         return [min(k, r.cap) for r in requests]
 
@@ -674,4 +675,9 @@ def test_a_request_back_from_k_zero_reports_the_backlog_its_draft_call_fed(targe
     assert drafted[0].draft_catch_up == 4 - 3  # the prompt: 4 tokens, one round's worth is 3
     first_round = len(drafted[0].updates[0].token_ids)
     assert drafted[1].draft_catch_up == first_round + 4 - 3  # that round's tokens, 4 rounds at K = 0, less 3
+    # The policy is told that backlog before it chooses (to price a probe), and the target's first
+    # pass, which fed the prompt, says so (the cost model must not take it for a verify pass).
+    assert policy.backlogs[0] == [1] and policy.backlogs[5] == [drafted[1].draft_catch_up]
+    ran = [r for r in policy.reports if r.ran]
+    assert ran[0].target_prefill == 4 and all(r.target_prefill == 0 for r in ran[1:])
     _assert_caches_empty(engine)

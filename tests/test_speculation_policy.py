@@ -10,6 +10,7 @@ from coordinator.round_report import RequestUpdate, RoundReport
 from coordinator.speculation_policy import (
     PROBE_AFTER,
     PROBE_SHARE,
+    REDECIDE_ROUNDS,
     PolicyRequest,
     SpeculationPolicy,
     expected_tokens,
@@ -239,3 +240,122 @@ def test_a_draft_call_that_feeds_a_backlog_does_not_price_the_draft_steps():
     c.observe(RoundReport(updates=back.updates, ran=True, verify_seconds=back.verify_seconds,
                           draft_seconds=back.draft_seconds, total_seconds=5.0))
     assert c.draft_scale > 1.0  # the same call without a backlog does count
+
+
+def test_a_round_that_fed_prompts_leaves_the_verify_correction_alone():
+    """A pass that first prefilled new requests takes a multiple of a verify pass's time: folded
+    into the correction, it would inflate every verify estimate (and make drafting look cheap)."""
+    c = costs()
+    admitted = RoundReport(updates=[outcome("a", 0, 0)], ran=True, verify_seconds=50 * c.verify_seconds(1, 1),
+                           target_prefill=300, total_seconds=60.0)
+    c.observe(admitted)
+    assert c.verify_scale == 1.0
+    c.observe(RoundReport(updates=admitted.updates, ran=True, verify_seconds=admitted.verify_seconds,
+                          total_seconds=60.0))
+    assert c.verify_scale > 1.0  # the same pass without a prefill does count
+
+
+def test_one_request_drafting_among_plain_ones_is_priced_by_its_length():
+    """Attention pads every sequence of a pass to the longest: one request at K = 5 among seven at
+    0 costs about what all eight at 5 do. Priced by the mean length (ragged_share 0) its drafting
+    looks nearly free and pays; priced as measured (ragged_share 1) it does not."""
+    def batch_ks(share: float) -> list[int]:
+        c = costs(draft_step=0.01, verify_slope=0.05)
+        c.ragged_share = share
+        policy = SpeculationPolicy(c, reference_draft_cost=0.01, initial_prior=0.1)
+        for _ in range(5):
+            observe(policy, [outcome("good", 5, 5)] + [outcome(f"poor{i}", 5, 0) for i in range(7)])
+        return policy.choose([greedy("good")] + [greedy(f"poor{i}") for i in range(7)])
+
+    assert batch_ks(0.0)[0] > 0 and batch_ks(0.0)[1:] == [0] * 7
+    assert batch_ks(1.0) == [0] * 8
+    c = costs()
+    c.ragged_share = 0.5
+    assert c.effective_tokens(1.5, 6) == pytest.approx(3.75)
+
+
+def test_a_probe_that_must_feed_a_long_backlog_waits_for_its_credit():
+    """Requests long at K = 0 have committed many tokens the drafter has not seen; a probe first
+    feeds all of them. The same probe that the credit pays for without a backlog is not afforded
+    with one that costs more than the credit can ever hold."""
+    def probes(backlog: int) -> int:
+        policy = SpeculationPolicy(costs(draft_step=0.05), reference_draft_cost=0.1, initial_prior=0.05)
+        count = 0
+        for _ in range(400):
+            requests = [PolicyRequest(f"r{i}", 5, greedy=True, seeded=False, backlog=backlog) for i in range(4)]
+            ks = policy.choose(requests)
+            count += max(ks) > 0
+            observe(policy, [outcome(r.req_id, k, 0) for r, k in zip(requests, ks)])
+        return count
+
+    assert probes(0) > 0
+    assert probes(100_000) == 0
+
+
+def test_catch_up_calls_price_the_catch_up_tokens():
+    """The time a draft call takes beyond its steps, over the backlog it fed, is what a catch-up
+    token costs; the step estimate is left alone."""
+    c = costs(draft_step=0.05)
+    back = RoundReport(updates=[outcome("a", 3, 1, asked=3)], ran=True, verify_seconds=c.verify_seconds(1, 4),
+                       draft_seconds=c.draft_seconds([1, 1, 1]) + 40 * 0.002, draft_catch_up=40, total_seconds=5.0)
+    for _ in range(80):
+        c.observe(back)
+    assert c.catch_up_token_seconds == pytest.approx(0.002, rel=0.01)
+    assert c.catch_up_seconds(10) == pytest.approx(0.02, rel=0.01)
+    assert c.draft_scale == 1.0
+
+
+def test_an_unchanged_batch_keeps_its_choice_for_a_few_rounds_then_follows_the_costs():
+    """choose() reuses its last batch choice while the requests and their estimates are the same,
+    for at most REDECIDE_ROUNDS rounds: then a change in the measured costs shows."""
+    policy = SpeculationPolicy(costs(draft_step=0.01), reference_draft_cost=0.1, initial_prior=0.8)
+    requests = [greedy("a"), greedy("b")]
+    first = policy.choose(requests)
+    assert max(first) > 0
+    policy.costs.draft_scale = 1000.0  # drafting became far too dear
+    uses = [policy.choose(requests) for _ in range(REDECIDE_ROUNDS)]
+    assert uses[0] == first and uses[-1] == [0, 0]
+    assert policy.choose([greedy("a"), greedy("c")]) == [0, 0]  # other requests: decided anew
+
+
+def test_calibration_measures_the_share_of_padding_a_ragged_pass_pays(monkeypatch):
+    """Against a target whose ragged passes cost their mean length's pass plus 40% of the way to
+    the longest one's, the start-up timing finds 0.4 (a fake clock: the target's cost, no noise)."""
+    from types import SimpleNamespace
+
+    from coordinator import round_costs
+    from specdec.params import SamplingParams
+    from specdec.round_types import VerifyOutcome, VerifyResult
+
+    clock = [0.0]
+    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class PaddingTarget:
+        def __init__(self):
+            self.released = []
+
+        def verify(self, tasks, finished):
+            self.released += finished
+            if tasks and not tasks[0].new_tokens:
+                fed = np.array([len(t.draft_tokens) + 1 for t in tasks])
+                mean, longest = fed.mean(), fed.max()
+                clock[0] += 1.0 + 0.1 * len(tasks) * ((mean - 1) + 0.4 * (longest - mean))
+            return VerifyResult([VerifyOutcome(t.req_id, 0, [1]) for t in tasks], 0, 100)
+
+    target = PaddingTarget()
+    share = round_costs._ragged_share(target, 8, 6, 2, SamplingParams(max_new_tokens=99), 64,
+                                      np.random.default_rng(0), 100)
+    assert share == pytest.approx(0.4)
+    assert sorted(target.released) == sorted(f"calibrate-ragged-{i}" for i in range(8))
+
+
+def test_a_verify_row_measured_falling_is_pooled_so_drafting_never_looks_cheaper():
+    """At batch 1 a pass costs the same for 1 to 6 tokens up to noise; a row whose cells fell by
+    chance would make every draft token look like a saving. Rows are pooled to non-decreasing."""
+    c = RoundCosts(batch_sizes=[1], verify_tokens=[1, 2, 3, 4], verify_grid=[[3.8, 3.6, 3.3, 3.5]],
+                   draft_step=[0.0])
+    assert [c.grid_seconds(1, t) for t in (1, 2, 3, 4)] == pytest.approx([3.55] * 4)
+    assert c.verify_grid == [[3.8, 3.6, 3.3, 3.5]]  # the measurements themselves are kept
+    c.sampled_batches, c.sampled_accept_seconds = [1], [0.7]
+    policy = SpeculationPolicy(c, reference_draft_cost=0.0, initial_prior=0.07)
+    assert policy.choose([PolicyRequest("s", 5, greedy=False, seeded=False)]) == [0]

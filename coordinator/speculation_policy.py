@@ -61,9 +61,10 @@ SEEDED_PRIOR = 0.6  # the constant prior of seeded sampled requests
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests)
 PROBE_AFTER, MAX_PROBE_AFTER = 4, 16
 PROBE_SHARE = 0.02  # of the predicted round time that unseeded probes may spend
-# The probe credit holds at most this many rounds' worth: no burst of probes, and yet enough for
-# a probe whose catch-up costs several rounds.
-CREDIT_ROUNDS = 400
+# The probe credit holds at most this many rounds' worth (2 rounds' time): no burst of probes, and
+# no probe dearer than that (one whose catch-up on a long backlog, e.g. a prompt the drafter never
+# saw, costs more is never made: at batch 8 that one call took 5% of a 128-token run).
+CREDIT_ROUNDS = 100
 REDECIDE_ROUNDS = 8  # the most rounds a memoized choice is reused for
 _ALPHA_MAX = 0.999  # keeps E finite and the log-threshold algebra away from alpha = 1
 

@@ -38,7 +38,7 @@ from specdec.params import SamplingParams
 from specdec.round_types import DraftTask, SparseDist, VerifyTask
 
 _REFRESH = 0.1  # weight of each new round in the online corrections
-RAGGED_CONTEXT = 256  # tokens per sequence of the ragged-pass timing (bounded by the cache)
+RAGGED_CONTEXT = 256  # the most context per sequence of the ragged-pass timing (less its growth)
 _RANDOM_Q_WIDTH = 64  # q entries of a stand-in proposal when the drafter sent none to copy
 
 
@@ -341,11 +341,11 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
             draft_step.append(0.0)
     costs = RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid, draft_step=draft_step,
                        draft_call_seconds=float(np.median(draft_call)) if draft_call else 0.0)
-    if batches[-1] > 1 and tokens[-1] > 1:
-        # Each ragged sequence grows by at most 1 + 1 + top tokens per attempt.
-        context = min(RAGGED_CONTEXT, max_seq_len // 2, room) - (repeats + 1) * (tokens[-1] + 2)
-        costs.ragged_share = _ragged_share(target, batches[-1], tokens[-1], repeats, greedy,
-                                           max(context, prompt_tokens), rng, info.vocab_size)
+    # Each attempt of the ragged timing grows a sequence by at most 1 + top + top tokens.
+    context = min(RAGGED_CONTEXT, max_seq_len // 2, room) - (repeats + 1) * (2 * tokens[-1] + 1)
+    if batches[-1] > 1 and tokens[-1] > 1 and context >= 8:  # (a tiny model: no ragged pricing)
+        costs.ragged_share = _ragged_share(target, batches[-1], tokens[-1], repeats, greedy, context, rng,
+                                           info.vocab_size)
     if draft is not None and tokens[-1] > 1:
         sampled, k = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0), tokens[-1] - 1
         for b in sorted({batches[0], batches[-1]}):

@@ -228,3 +228,36 @@ def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, mod
     with pytest.raises(ValueError):
         ray.get_actor("specdec-sigterm-coordinator", namespace="specdec")
     assert generate(deployment.port, 3)[1].finish_reason == "length"
+
+
+def test_a_worker_port_taken_before_it_binds_starts_again_on_new_ports(monkeypatch):
+    """Loopback workers get a free port chosen before their models load; another process can take
+    it meanwhile. Start-up then tries again on new ports (a few times), and does not retry any
+    other failure, nor a fixed port's."""
+    from specdec.app import ray_actors
+
+    calls = []
+
+    def once(config, **settings):
+        calls.append(config)
+        if len(calls) < 3:
+            raise RuntimeError("target worker could not bind 127.0.0.1:33869: Failed to bind")
+        return "deployment"
+
+    monkeypatch.setattr(ray_actors, "_launch_once", once)
+    assert ray_actors.launch(ServiceConfig.from_settings()) == "deployment" and len(calls) == 3
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="could not bind"):
+        ray_actors.launch(ServiceConfig.from_settings(worker_host="10.0.0.5"))  # a fixed port
+    assert len(calls) == 1
+
+    def broken(config, **settings):
+        calls.append(config)
+        raise RuntimeError("the target's checkpoint is missing")
+
+    calls.clear()
+    monkeypatch.setattr(ray_actors, "_launch_once", broken)
+    with pytest.raises(RuntimeError, match="missing"):
+        ray_actors.launch(ServiceConfig.from_settings())
+    assert len(calls) == 1

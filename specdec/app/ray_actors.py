@@ -346,8 +346,30 @@ def _coordinator_placement(cluster: dict) -> dict:
         node_id=ray.get_runtime_context().get_node_id(), soft=False)}
 
 
+# Start-up attempts when a loopback worker's free port was taken before the worker bound it.
+BIND_ATTEMPTS = 3
+
+
 def launch(config: ServiceConfig, *, target_gpus: float | None = None, draft_gpus: float | None = None,
            pin_coordinator: bool = True, timeout_s: float = 600.0) -> Deployment:
+    """`_launch_once`, again on new free ports when a loopback worker lost its port to another
+    process in the seconds between choosing it and binding it (its models load first)."""
+    loopback = is_loopback(config.ray.worker_host or "127.0.0.1")
+    settings = dict(target_gpus=target_gpus, draft_gpus=draft_gpus, pin_coordinator=pin_coordinator,
+                    timeout_s=timeout_s)
+    for attempt in range(1, BIND_ATTEMPTS):
+        try:
+            return _launch_once(config, **settings)
+        except RuntimeError as e:
+            if not (loopback and "could not bind" in str(e)):
+                raise
+            log.warning("a worker's port was taken before it bound it; starting again on new ports "
+                        "(attempt %d of %d)", attempt + 1, BIND_ATTEMPTS)
+    return _launch_once(config, **settings)
+
+
+def _launch_once(config: ServiceConfig, *, target_gpus: float | None, draft_gpus: float | None,
+                 pin_coordinator: bool, timeout_s: float) -> Deployment:
     """Start every replica's worker actors (specdec.app.ray_replicas) and the coordinator actor;
     wait until all are ready.
 

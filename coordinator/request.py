@@ -52,3 +52,9 @@ class RunningRequest:
     stats: RequestStats = field(default_factory=RequestStats)
     unsent_to_draft: list[int] = field(default_factory=list)
     started_target: bool = False
+
+    @property
+    def draft_backlog(self) -> int:
+        """Committed tokens the drafter has not seen beyond one round's worth (K + 1): the backlog of
+        rounds at K = 0 (or the prompt), which its next draft call feeds first."""
+        return max(len(self.unsent_to_draft) - self.num_speculative_tokens - 1, 0)

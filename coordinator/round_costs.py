@@ -27,6 +27,7 @@ actually pays, transport included, in process and over gRPC alike.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -248,16 +249,29 @@ def _random_proposal(k: int, width: int, rng: np.random.Generator, vocab_size: i
     return ids[:, 0].tolist(), SparseDist(token_ids=ids, probs=torch.full((k, width), 1.0 / width))
 
 
+@contextmanager
+def _throwaway_requests(target: TargetClient, draft: DraftClient | None, ids: list[str], prompt_tokens: int,
+                        params: SamplingParams, rng: np.random.Generator, vocab_size: int):
+    """Prefill the target with requests `ids` of random prompts; yields req_id -> the tokens the
+    drafter has not seen (all of them); releases the requests at the end, whatever happens."""
+    unsent = {r: [int(t) for t in rng.integers(0, vocab_size, prompt_tokens)] for r in ids}
+    try:
+        prefill = target.verify([VerifyTask(r, unsent[r], [], None, params) for r in ids], [])
+        for outcome in prefill.outcomes:
+            unsent[outcome.req_id] += outcome.tokens
+        yield unsent
+    finally:
+        target.verify([], ids)
+        if draft is not None:
+            draft.propose([], ids)
+
+
 def _time_batch(target: TargetClient, draft: DraftClient | None, ids: list[str], draft_lengths: list[int],
                 repeats: int, params: SamplingParams, prompt_tokens: int, rng: np.random.Generator,
                 vocab_size: int) -> tuple[list[float], list[float]]:
     """Fastest (draft seconds, verify seconds) of `repeats` rounds at each draft length, over the
     throw-away requests `ids` (released at the end, whatever happens)."""
-    unsent = {r: [int(t) for t in rng.integers(0, vocab_size, prompt_tokens)] for r in ids}
-    try:
-        prefill = target.verify([VerifyTask(r, unsent[r], [], None, params) for r in ids], [])
-        for outcome in prefill.outcomes:  # the drafter has not seen any of it yet
-            unsent[outcome.req_id] += outcome.tokens
+    with _throwaway_requests(target, draft, ids, prompt_tokens, params, rng, vocab_size) as unsent:
         draft_times, verify_times = [], []
         for k in draft_lengths:
             timed = [_timed_round(target, draft, unsent, k, params, rng, vocab_size)
@@ -265,10 +279,6 @@ def _time_batch(target: TargetClient, draft: DraftClient | None, ids: list[str],
             draft_times.append(min(d for d, _ in timed))
             verify_times.append(min(v for _, v in timed))
         return draft_times, verify_times
-    finally:
-        target.verify([], ids)
-        if draft is not None:
-            draft.propose([], ids)
 
 
 def _ragged_share(target: TargetClient, batch: int, top: int, repeats: int, params: SamplingParams,
@@ -281,9 +291,7 @@ def _ragged_share(target: TargetClient, batch: int, top: int, repeats: int, para
     length rather than the grid's short one."""
     ids = [f"calibrate-ragged-{i}" for i in range(batch)]
     shapes = {"low": [1] * batch, "high": [top] * batch, "ragged": [top if i % 2 else 1 for i in range(batch)]}
-    try:
-        target.verify([VerifyTask(r, [int(t) for t in rng.integers(0, vocab_size, context_tokens)], [], None, params)
-                       for r in ids], [])
+    with _throwaway_requests(target, None, ids, context_tokens, params, rng, vocab_size):
         best = dict.fromkeys(shapes, float("inf"))
         for attempt in range(repeats + 1):
             for name, fed in shapes.items():
@@ -293,8 +301,6 @@ def _ragged_share(target: TargetClient, batch: int, top: int, repeats: int, para
                 target.verify(tasks, [])
                 if attempt:  # the first is a warm-up
                     best[name] = min(best[name], time.perf_counter() - start)
-    finally:
-        target.verify([], ids)
     mean = sum(shapes["ragged"]) / batch
     at_mean = best["low"] + (mean - 1) / (top - 1) * (best["high"] - best["low"])
     if best["high"] <= at_mean:

@@ -273,7 +273,7 @@ class Scheduler:
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
         asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run),
-                              backlog=max(len(run.unsent_to_draft) - run.num_speculative_tokens - 1, 0))
+                              backlog=run.draft_backlog)
                 for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 
@@ -458,10 +458,7 @@ class Scheduler:
         if not (any(t.num_speculative_tokens for t in tasks) or self._release_draft):
             return proposals
         finished, self._release_draft = self._release_draft, []
-        # What a request committed since its last draft call beyond one round (K + 1 tokens): the
-        # backlog of its rounds at K = 0 (or its prompt), which this call feeds first.
-        report.draft_catch_up = sum(max(len(t.new_tokens) - self.running[t.req_id].num_speculative_tokens - 1, 0)
-                                    for t in tasks if t.num_speculative_tokens)
+        report.draft_catch_up = sum(self.running[t.req_id].draft_backlog for t in tasks if t.num_speculative_tokens)
         start = time.perf_counter()
         try:
             replies = self.draft.propose(tasks, finished)

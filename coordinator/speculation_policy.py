@@ -186,10 +186,10 @@ class SpeculationPolicy:
             memo = self._memo = _Memo(key, self._choose_anew(requests, np.array(alphas)))
         memo.uses += 1
         chosen = memo.chosen
-        due = any(self._due(r) for r, k in zip(requests, chosen) if k == 0 and not r.seeded)
+        at_zero = [k == 0 and not r.seeded and r.cap > 0 for r, k in zip(requests, chosen)]  # who would probe
+        due = any(self._due(r) for r, zero in zip(requests, at_zero) if zero)
         if due:
-            backlog = sum(r.backlog for r, k in zip(requests, chosen) if k == 0 and not r.seeded and r.cap > 0)
-            due = self._afford_probe(requests, np.array(alphas), memo, backlog)
+            due = self._afford_probe(requests, np.array(alphas), memo, at_zero)
         return [self._with_probe(r, int(k), together=due and not r.seeded) for r, k in zip(requests, chosen)]
 
     def _choose_anew(self, requests: list[PolicyRequest], alphas: np.ndarray) -> np.ndarray:
@@ -207,19 +207,19 @@ class SpeculationPolicy:
     def _sampled(requests: list[PolicyRequest]) -> bool:
         return not all(r.greedy for r in requests)
 
-    def _afford_probe(self, requests: list[PolicyRequest], alphas: np.ndarray, memo: _Memo, backlog: int) -> bool:
-        """Does the probe credit cover probing every unseeded request at 0 this round (the drafter
-        first catching up on their `backlog`)? Records the round's credit change either way
-        (applied by observe, once the round ran)."""
+    def _afford_probe(self, requests: list[PolicyRequest], alphas: np.ndarray, memo: _Memo,
+                      probing: list[bool]) -> bool:
+        """Does the probe credit cover probing the `probing` requests (every unseeded one at 0)
+        this round, the drafter first catching up on their backlogs? Records the round's credit
+        change either way (applied by observe, once the round ran)."""
         sampled = self._sampled(requests)
         if memo.probe_seconds is None:
             chosen = memo.chosen
-            probing = np.array([not r.seeded and r.cap > 0 for r in requests]) & (chosen == 0)
-            ks = np.stack([chosen, np.where(probing, [max(r.cap, 0) for r in requests], chosen)])
+            ks = np.stack([chosen, np.where(probing, [r.cap for r in requests], chosen)])
             memo.probe_seconds = self._round_seconds(ks, sampled)
             memo.probe_tokens = expected_tokens(alphas[None, :], ks).sum(axis=1)
         seconds, tokens = memo.probe_seconds.copy(), memo.probe_tokens
-        seconds[1] += self.costs.catch_up_seconds(backlog, sampled)
+        seconds[1] += self.costs.catch_up_seconds(sum(r.backlog for r, p in zip(requests, probing) if p), sampled)
         net_cost = max(seconds[1] - tokens[1] * seconds[0] / tokens[0], 0.0)
         self._credit_change = PROBE_SHARE * seconds[0]
         self._credit_cap = CREDIT_ROUNDS * PROBE_SHARE * seconds[0]

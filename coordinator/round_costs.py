@@ -26,6 +26,7 @@ actually pays, transport included, in process and over gRPC alike.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -73,12 +74,16 @@ class RoundCosts:
         self._tokens = np.asarray(self.verify_tokens, dtype=np.float64)
         self._draft = np.asarray(self.draft_step, dtype=np.float64)
         self._rows: dict[float, np.ndarray] = {}  # verify_row by batch size: the policy asks each round
+        self._row_lists: dict[float, list[float]] = {}  # the same as lists, for scalar lookups (observe)
+        self._token_list = [float(t) for t in self.verify_tokens]
         self._steps_by_count: dict[int, np.ndarray] = {}
         if self.catch_up_token_seconds is None:
             self.catch_up_token_seconds = float(self._draft[-1] / self._batches[-1])
 
     def effective_tokens(self, mean: float | np.ndarray, longest: float | np.ndarray) -> float | np.ndarray:
         """Tokens per sequence of the uniform pass that costs what a ragged one does."""
+        if isinstance(longest, (int, float)):
+            return mean + self.ragged_share * (longest - mean)
         return mean + self.ragged_share * (np.asarray(longest) - mean)
 
     def verify_row(self, batch: float) -> np.ndarray:
@@ -108,12 +113,28 @@ class RoundCosts:
 
     def grid_seconds(self, batch: float, tokens_per_seq: float | np.ndarray) -> float | np.ndarray:
         """The measured greedy verify time: bilinear interpolation, the last slope beyond the grid."""
+        if isinstance(tokens_per_seq, (int, float)):
+            return self._grid_scalar(batch, float(tokens_per_seq))
         row, t = self.verify_row(batch), self._tokens
         value = np.interp(tokens_per_seq, t, row)
         if len(t) > 1:
             slope = (row[-1] - row[-2]) / (t[-1] - t[-2])
             value = np.where(np.asarray(tokens_per_seq) > t[-1], row[-1] + (tokens_per_seq - t[-1]) * slope, value)
         return value if np.ndim(value) else float(value)
+
+    def _grid_scalar(self, batch: float, tokens: float) -> float:
+        """grid_seconds for one number of tokens, in plain Python: observe() asks once a round, and
+        numpy's per-call overhead on scalars (about 40 us) was a third of the policy's round time."""
+        row = self._row_lists.get(batch)
+        if row is None:
+            row = self._row_lists[batch] = [float(x) for x in self.verify_row(batch)]
+        t = self._token_list
+        if len(t) == 1 or tokens <= t[0]:
+            return row[0]
+        if tokens >= t[-1]:
+            return row[-1] + (tokens - t[-1]) * (row[-1] - row[-2]) / (t[-1] - t[-2])
+        i = bisect.bisect_right(t, tokens) - 1
+        return row[i] + (tokens - t[i]) * (row[i + 1] - row[i]) / (t[i + 1] - t[i])
 
     def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
                        sampled: bool = False) -> float | np.ndarray:
@@ -158,9 +179,9 @@ class RoundCosts:
         accept = self.accept_seconds(len(ran)) if sampled and tokens > 1 else 0.0
         if not report.target_prefill:  # a pass that first fed prompts says nothing about verifying
             self._correct(prefix + "verify_scale", report.verify_seconds - accept, self.grid_seconds(len(ran), tokens))
-        asked = np.array([u.num_speculative_tokens for u in ran])
-        if asked.max(initial=0) > 0 and report.draft_seconds > 0:
-            steps = [(asked > s).sum() for s in range(int(asked.max()))]
+        asked = [u.num_speculative_tokens for u in ran]
+        if max(asked) > 0 and report.draft_seconds > 0:
+            steps = [sum(1 for k in asked if k > s) for s in range(max(asked))]
             if report.draft_catch_up:  # what the call took beyond its steps prices the catch-up tokens
                 beyond = report.draft_seconds - self.draft_seconds(steps, sampled)
                 if beyond > 0:

@@ -273,7 +273,8 @@ class Scheduler:
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
         asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run),
-                              backlog=run.draft_backlog)
+                              backlog=run.draft_backlog,
+                              remaining=run.request.params.max_new_tokens - len(run.generated))
                 for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 

@@ -17,6 +17,13 @@ every kept token is worth more than its marginal cost, and that cost is nearly t
 request of a round, so a common threshold is where the optimum lies; evaluating each candidate's
 full predicted time takes care of the draft steps that requests share.
 
+A request whose drafter lags (a new one: its prompt; one back from K = 0: the tokens committed
+meanwhile) makes the drafter catch up before it drafts. That one-time cost buys speculation for
+the rest of the request, so a candidate that drafts for it pays the catch-up amortized over the
+rounds it pays back in: the request's remaining tokens / E, at most PAYBACK_ROUNDS. Unpriced, a
+batch of new requests whose estimated gain is marginal (prose at batch 8) started speculating on
+the prior and fed the drafter 8 prompts first: one call of 100 ms, six plain rounds' time.
+
 Seeded sampled requests are the exception. Which random draws decide a token depends on K (a
 token proposed and accepted uses other draws than one sampled plainly), so a seeded request's K
 must be a function of its own history only, never of timings or batch mates: it maximises its own
@@ -66,6 +73,9 @@ PROBE_SHARE = 0.02  # of the predicted round time that unseeded probes may spend
 # saw, costs more is never made: at batch 8 that one call took 5% of a 128-token run).
 CREDIT_ROUNDS = 100
 REDECIDE_ROUNDS = 8  # the most rounds a memoized choice is reused for
+# The most rounds a drafter's catch-up is amortized over: requests often end (EOS) long before
+# max_new_tokens, so a catch-up that only pays back over hundreds of rounds is not worth it.
+PAYBACK_ROUNDS = 64
 _ALPHA_MAX = 0.999  # keeps E finite and the log-threshold algebra away from alpha = 1
 
 
@@ -87,6 +97,7 @@ class PolicyRequest:
     greedy: bool
     seeded: bool  # a seeded sampled request: K from its own history only
     backlog: int = 0  # committed tokens the drafter has not seen beyond one round's worth (K = 0 rounds)
+    remaining: int = 1 << 30  # tokens the request may still commit (max_new_tokens less those generated)
 
 
 @dataclass
@@ -129,7 +140,15 @@ class SpeculationPolicy:
         return self._global[request.greedy].alpha(self._initial_prior)
 
     def alpha(self, request: PolicyRequest) -> float:
-        return self._evidence.setdefault(request.req_id, _Evidence()).alpha(self.prior(request))
+        return self._own(request.req_id).alpha(self.prior(request))
+
+    def _own(self, req_id: str) -> _Evidence:
+        """A request's record, made on first use (not setdefault: a throw-away record each call
+        was a tenth of the policy's round time)."""
+        evidence = self._evidence.get(req_id)
+        if evidence is None:
+            evidence = self._evidence[req_id] = _Evidence()
+        return evidence
 
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round's outcomes into the estimates (`greedy`: req_id -> greedy request)."""
@@ -141,12 +160,12 @@ class SpeculationPolicy:
             if update.finished:
                 self._evidence.pop(update.req_id, None)
             elif why is not None:
-                self._track_zero_rounds(self._evidence.setdefault(update.req_id, _Evidence()), why)
+                self._track_zero_rounds(self._own(update.req_id), why)
             if update.proposed == 0:
                 continue
             tested = update.accepted + (1 if update.accepted < update.proposed else 0)
             if not update.finished:
-                self._evidence.setdefault(update.req_id, _Evidence()).add(update.accepted, tested)
+                self._own(update.req_id).add(update.accepted, tested)
             if update.req_id in greedy:
                 self._global[greedy[update.req_id]].add(update.accepted, tested)
         self.costs.observe(report, sampled=any(not greedy.get(u.req_id, True) for u in report.updates))
@@ -179,7 +198,8 @@ class SpeculationPolicy:
         self._credit_change = 0.0
         if not requests:
             return []
-        alphas = [self.alpha(r) for r in requests]
+        priors = {greedy: self._global[greedy].alpha(self._initial_prior) for greedy in (True, False)}
+        alphas = [self._own(r.req_id).alpha(SEEDED_PRIOR if r.seeded else priors[r.greedy]) for r in requests]
         key = (tuple((r.req_id, r.cap, r.greedy, r.seeded) for r in requests), tuple(alphas))
         memo = self._memo
         if memo is None or memo.key != key or memo.uses >= REDECIDE_ROUNDS:
@@ -200,8 +220,18 @@ class SpeculationPolicy:
         chosen[seeded] = [self._own_choice(a, c) for a, c in zip(alphas[seeded], caps[seeded])]
         free = ~seeded & (caps > 0)
         if free.any():
-            chosen[free] = self._batch_choice(alphas, caps, chosen, free, self._sampled(requests))
+            catch_up = self._amortizable_catch_up(requests, free)
+            chosen[free] = self._batch_choice(alphas, caps, chosen, free, self._sampled(requests), catch_up)
         return chosen
+
+    def _amortizable_catch_up(self, requests: list[PolicyRequest], free: np.ndarray) -> tuple | None:
+        """(catch-up seconds, remaining tokens) of the `free` requests; None when none lags."""
+        lagging = [r for r, f in zip(requests, free) if f]
+        if not any(r.backlog for r in lagging):
+            return None
+        sampled = self._sampled(requests)
+        return (np.array([self.costs.catch_up_seconds(r.backlog, sampled) for r in lagging]),
+                np.array([r.remaining for r in lagging], dtype=np.float64))
 
     @staticmethod
     def _sampled(requests: list[PolicyRequest]) -> bool:
@@ -234,9 +264,10 @@ class SpeculationPolicy:
         return int(np.argmax(expected_tokens(np.full(len(ks), alpha), ks) / cost))
 
     def _batch_choice(self, alphas: np.ndarray, caps: np.ndarray, fixed: np.ndarray, free: np.ndarray,
-                      sampled: bool) -> np.ndarray:
+                      sampled: bool, catch_up: tuple | None = None) -> np.ndarray:
         """K of the `free` requests maximising sum E / round time; the others keep `fixed`
-        (`sampled`: a round with sampled requests, priced as such)."""
+        (`sampled`: a round with sampled requests, priced as such; `catch_up`: the free requests'
+        catch-up seconds [F] and remaining tokens [F], amortized as the module docstring says)."""
         top = int(caps[free].max())
         ks = np.arange(1, top + 1)
         values = alphas[free, None] ** ks[None, :]  # [F, top]: the worth of each draft token
@@ -245,12 +276,14 @@ class SpeculationPolicy:
         candidates = (values[None, :, :] >= thresholds[:, None, None]).sum(axis=2)  # [C, F]
         everyone = np.broadcast_to(fixed, (len(thresholds), len(fixed))).copy()
         everyone[:, free] = candidates
-        rates = self._rates(alphas, everyone, sampled)
+        seconds = self._round_seconds(everyone, sampled)
+        if catch_up is not None:
+            lag_seconds, remaining = catch_up
+            gain = expected_tokens(alphas[free][None, :], candidates)  # [C, F]
+            payback = np.clip(remaining[None, :] / gain, 1.0, PAYBACK_ROUNDS)
+            seconds = seconds + (np.where(candidates > 0, lag_seconds[None, :], 0.0) / payback).sum(axis=1)
+        rates = expected_tokens(alphas[None, :], everyone).sum(axis=1) / seconds
         return candidates[int(np.argmax(rates))]
-
-    def _rates(self, alphas: np.ndarray, ks: np.ndarray, sampled: bool) -> np.ndarray:
-        """Expected committed tokens per predicted second for each candidate row of ks [C, B]."""
-        return expected_tokens(alphas[None, :], ks).sum(axis=1) / self._round_seconds(ks, sampled)
 
     def _round_seconds(self, ks: np.ndarray, sampled: bool) -> np.ndarray:
         """Predicted seconds of a round for each candidate row of ks [C, B]."""

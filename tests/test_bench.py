@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specdec.app.bench.report import TARGETS, annotate, evaluate_targets
-from specdec.app.bench.runners import RunResult, left_pad
+from specdec.app.bench.runners import RunResult, left_pad, pool_runs
 from specdec.app.bench.theory import best_fixed_k_speedup, expected_tokens_per_round, theoretical_speedup
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
@@ -234,3 +234,43 @@ def test_bench_end_to_end(tmp_path, capsys):
                  "plain >= 1.0x HF, worst row"):
         assert targets[name] in ("PASS", "MISS"), name
     assert targets["code: draft >= 1.3x plain, b8 greedy"] == targets["prose: spec >= 0.98x plain, worst row"] == "n/a"
+
+
+def test_repeated_runs_pool_into_one_row():
+    """--repeats: a row's runs become one result whose rates come from the summed counts."""
+    def run(tokens, seconds, proposed, accepted, tested, histogram, passes):
+        return RunResult(system="spec-draft", label="x", batch=1, mode="greedy", k=2, tokens=tokens, seconds=seconds,
+                         tokens_per_s=tokens / seconds, proposed=proposed, accepted=accepted, tested=tested,
+                         acceptance_rate=accepted / proposed, alpha=accepted / tested, k_histogram=histogram,
+                         mean_k=0.0, target_forward_passes=passes, mean_accepted_length=tokens / passes,
+                         draft_seconds=0.1, verify_seconds=0.2, other_seconds=0.05, outputs=[[1, 2]])
+
+    pooled = pool_runs([run(100, 1.0, 60, 30, 40, {"0": 10, "1": 0, "2": 20}, 30),
+                        run(100, 3.0, 40, 10, 30, {"0": 30, "1": 5}, 35)])
+    assert pooled.tokens == 200 and pooled.seconds == 4.0 and pooled.tokens_per_s == 50.0  # not mean(100, 33)
+    assert pooled.acceptance_rate == pytest.approx(40 / 100) and pooled.alpha == pytest.approx(40 / 70)
+    assert pooled.k_histogram == {"0": 40, "1": 5, "2": 20}
+    assert pooled.mean_k == pytest.approx((5 + 40) / 65)
+    assert pooled.mean_accepted_length == pytest.approx(200 / 65)
+    assert pooled.draft_seconds == pytest.approx(0.2) and pooled.outputs == [[1, 2]]
+    one = run(10, 1.0, 6, 3, 4, {"0": 1}, 3)
+    assert pool_runs([one]) is one
+
+
+def test_bench_repeats_run_every_system_again_and_pool(tmp_path, capsys):
+    from specdec.app.cli import main
+
+    target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--quick",
+               "--systems", "engine,spec-draft", "--batch-sizes", "1", "--temperatures", "0", "--repeats", "3",
+               "--threads", "1", "--cost-steps", "3", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["config"]["repeats"] == 3
+    assert [r["system"] for r in data["results"]] == ["engine", "spec-draft"]
+    for r in data["results"]:
+        assert r["tokens"] == 3 * 2 * 16 and "pooled over 3 timed runs" in r["notes"]
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+    assert data["results"][1]["same_output_as_plain"] == 1.0
+    assert main(["bench", "--target", str(target), "--prompts", str(prompts), "--repeats", "0", "--no-progress"]) == 2

@@ -184,6 +184,15 @@ def test_round_costs_interpolate_and_follow_measurements():
     assert RoundCosts.from_json(c.to_json()).verify_scale == 1.0  # corrections are not cached
 
 
+def test_one_verify_lookup_and_a_row_of_them_agree_below_within_and_beyond_the_grid():
+    """observe() looks one pass up in plain Python, the policy a row of candidates with numpy."""
+    c = costs(draft_step=0.05, verify_slope=0.1, batch_slope=0.02)
+    for batch in (1, 3, 8, 20, 40):
+        tokens = [0.5, 1, 1.5, 2, 4.25, 6, 9, 12.5]
+        row = c.grid_seconds(batch, np.array(tokens))
+        assert [c.grid_seconds(batch, t) for t in tokens] == pytest.approx(row.tolist())
+
+
 def test_sampled_rounds_are_priced_and_corrected_apart_from_greedy_ones():
     """Sampling, q and the accept test make a sampled round dearer than the greedy grid says: the
     measured accept time and draft factor price it, and its online corrections leave the greedy
@@ -290,6 +299,25 @@ def test_a_probe_that_must_feed_a_long_backlog_waits_for_its_credit():
 
     assert probes(0) > 0
     assert probes(100_000) == 0
+
+
+def test_new_requests_do_not_feed_the_drafter_their_prompts_for_a_marginal_gain():
+    """The drafter's catch-up on a request's prompt (or on what it committed at K = 0) is paid once
+    and then serves the rest of the request: its price is spread over the rounds it pays back in.
+    A batch whose drafting gains little on the prior does not pay for 8 prompts; a clear gain does."""
+    def first_ks(alpha: float, backlog: int, remaining: int = 128) -> list[int]:
+        policy = SpeculationPolicy(costs(draft_step=0.02, verify_slope=0.05), reference_draft_cost=0.1,
+                                   initial_prior=alpha)
+        policy.costs.catch_up_token_seconds = 0.002  # a prompt of 200 tokens: 0.4 target steps
+        return policy.choose([PolicyRequest(f"r{i}", 5, greedy=True, seeded=False, backlog=backlog,
+                                            remaining=remaining) for i in range(8)])
+
+    marginal = 0.45
+    assert max(first_ks(marginal, backlog=0)) > 0  # the drafter is up to date: speculating pays a little
+    assert first_ks(marginal, backlog=200) == [0] * 8  # feeding 8 prompts first does not
+    assert first_ks(marginal, backlog=200, remaining=100_000) == [0] * 8  # spread over PAYBACK_ROUNDS at most
+    assert min(first_ks(0.85, backlog=200)) > 0  # a clear gain pays for the prompts
+    assert first_ks(0.85, backlog=200, remaining=2) == [0] * 8  # ... unless the request is about to end
 
 
 def test_catch_up_calls_price_the_catch_up_tokens():

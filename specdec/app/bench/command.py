@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_out", help="output folder for bench.json and bench.png")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke run: 2 prompts per set, 16 new tokens, batch sizes 1,2")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs of every system per row, in mirrored order (the systems forward, then "
+                             "backward, ...) and pooled, so a machine that speeds up or slows down during a row "
+                             "moves every system alike (default 2; 1 with --quick)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     overlap_bench.add_arguments(parser)
 
@@ -193,6 +197,7 @@ def run(args) -> int:
         load_hf,
         load_prompts,
         measure_step_costs,
+        pool_runs,
     )
     from specdec.tokenizer import load_tokenizer
 
@@ -202,6 +207,7 @@ def run(args) -> int:
     max_new = args.max_new_tokens or (16 if quick else 128)
     batch_sizes = args.batch_sizes or ([1, 2] if quick else [1, 8])
     cost_steps = args.cost_steps or (5 if quick else 30)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 2)
     try:
         config = ServiceConfig.from_settings(**given_settings(args, ["target", "num_speculative_tokens"]))
     except ConfigError as e:
@@ -212,8 +218,9 @@ def run(args) -> int:
     if args.sweep_only and not sweep_ks:
         print("specdec bench: --sweep-only needs --sweep-k", file=sys.stderr)
         return 2
-    if num_prompts < 1 or max_new < 1 or k < 1 or args.threads < 1:
-        print("specdec bench: --num-prompts, --max-new-tokens, -k and --threads must be >= 1", file=sys.stderr)
+    if num_prompts < 1 or max_new < 1 or k < 1 or args.threads < 1 or repeats < 1:
+        print("specdec bench: --num-prompts, --max-new-tokens, -k, --threads and --repeats must be >= 1",
+              file=sys.stderr)
         return 2
     modes = [Mode("greedy" if t == 0 else f"T={t:g}", t) for t in args.temperatures]
     systems = list(args.systems)
@@ -305,19 +312,26 @@ def run(args) -> int:
 
     # -- main grid -----------------------------------------------------------------------------------
     # Prompt set outermost: the adaptive policy's running acceptance estimate then moves from one
-    # set to the other once (during the next set's warm-ups), not back and forth.
+    # set to the other once (during the next set's warm-ups), not back and forth. Within a row the
+    # systems run `repeats` times in mirrored order and each one's runs are pooled: on a shared
+    # machine whose speed drifts by 10-20% within a minute, one run per system compared runs taken
+    # at different speeds; mirrored, a linear drift weighs every system alike.
     results = []
-    combos = [] if args.sweep_only else [(n, m, b, s) for n in prompt_sets for m in modes for b in batch_sizes
-                                         for s in systems]
-    total_tokens = sum(max_new * len(prompt_sets[n][0]) for n, m, b, s in combos
-                       if not (SYSTEMS[s].batch1_only and b != 1))
+    rows = [] if args.sweep_only else [(n, m, b) for n in prompt_sets for m in modes for b in batch_sizes]
+    total_tokens = repeats * sum(max_new * len(prompt_sets[n][0]) for n, m, b in rows for s in systems
+                                 if not (SYSTEMS[s].batch1_only and b != 1))
     overall = tqdm(total=total_tokens, desc="bench", unit="tok", disable=not show, position=0)
     try:
-        for set_name, mode, batch, key in combos:
-            system, prompts = built[key], prompt_sets[set_name][0]
-            overall.set_postfix_str(f"{set_name} {key} b{batch} {mode.name}")
-            system.warm_up(prompts, batch, mode, args.seed)
-            results.append(system.run(prompts, batch, mode, max_new, args.seed, bar=overall, prompt_set=set_name))
+        for set_name, mode, batch in rows:
+            prompts = prompt_sets[set_name][0]
+            runs: dict[str, list] = {key: [] for key in systems}
+            for repeat in range(repeats):
+                for key in systems if repeat % 2 == 0 else systems[::-1]:
+                    overall.set_postfix_str(f"{set_name} {key} b{batch} {mode.name}")
+                    built[key].warm_up(prompts, batch, mode, args.seed)
+                    runs[key].append(built[key].run(prompts, batch, mode, max_new, args.seed, bar=overall,
+                                                    prompt_set=set_name))
+            results += [pool_runs(runs[key]) for key in systems]
     finally:
         overall.close()
 
@@ -403,6 +417,7 @@ def run(args) -> int:
                    "max_new_tokens": max_new, "num_speculative_tokens": k, "batch_sizes": batch_sizes,
                    "modes": [{"name": m.name, "temperature": m.temperature} for m in modes],
                    "systems": systems, "seed": args.seed, "threads": args.threads, "kv_cache_blocks": kv_blocks,
+                   "repeats": repeats, "repeat_order": "mirrored: systems forward, then backward; runs pooled",
                    "sampled_requests": "specdec: unseeded (typical traffic); HF: torch.manual_seed(seed + offset)",
                    "hf_assisted": {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
                                    "note": "batch size 1 only"},

@@ -7,6 +7,7 @@ tokens/s = generated tokens / wall-clock seconds of the timed calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
@@ -69,6 +70,7 @@ class RunResult:
     skipped: str | None = None  # why this combination was not measured
     acceptance_rate: float | None = None  # accepted / proposed (the engine's statistic)
     alpha: float | None = None  # per-token acceptance: accepted / tested (see _TimedTarget)
+    tested: int | None = None  # draft tokens the target tested (accepted ones + the first rejected)
     rounds_without_draft: int | None = None  # target passes whose drafter proposed nothing
     mean_accepted_length: float | None = None  # tokens committed per target forward pass
     proposed: int | None = None
@@ -109,6 +111,38 @@ class RunResult:
         """Share of request-rounds that did not speculate (K = 0)."""
         total = sum(self.k_histogram.values()) if self.k_histogram else 0
         return self.k_histogram.get("0", 0) / total if total else None
+
+
+_SUMMED = ("tokens", "seconds", "proposed", "accepted", "tested", "rounds_without_draft", "target_forward_passes",
+           "draft_forward_passes", "draft_steps", "draft_seconds", "verify_seconds", "other_seconds")
+
+
+def pool_runs(runs: list[RunResult]) -> RunResult:
+    """One row from repeated timed runs of one system on one row's prompts: counts and seconds
+    summed, rates recomputed from the sums (tokens/s = all tokens / all seconds), outputs and
+    notes from the first run."""
+    if len(runs) == 1 or runs[0].skipped:
+        return runs[0]
+    pooled = dataclasses.replace(runs[0], notes=list(runs[0].notes))
+    for name in _SUMMED:
+        values = [getattr(r, name) for r in runs]
+        setattr(pooled, name, None if any(v is None for v in values) else sum(values))
+    if pooled.k_histogram is not None:
+        counts: Counter[int] = Counter()
+        for r in runs:
+            counts.update({int(n): c for n, c in (r.k_histogram or {}).items()})
+        pooled.k_histogram = {str(n): counts[n] for n in range(max(counts, default=0) + 1)}
+        asked = sum(pooled.k_histogram.values())
+        pooled.mean_k = sum(int(n) * c for n, c in pooled.k_histogram.items()) / asked if asked else None
+    pooled.tokens_per_s = pooled.tokens / pooled.seconds if pooled.seconds > 0 else None
+    if all(r.mean_accepted_length for r in runs):  # tokens / passes, whatever each system counts as a pass
+        pooled.mean_accepted_length = pooled.tokens / sum(r.tokens / r.mean_accepted_length for r in runs)
+    if pooled.proposed is not None and pooled.accepted is not None:
+        pooled.acceptance_rate = pooled.accepted / pooled.proposed if pooled.proposed else None
+    if pooled.tested is not None and pooled.accepted is not None:
+        pooled.alpha = pooled.accepted / pooled.tested if pooled.tested else None
+    pooled.notes.append(f"pooled over {len(runs)} timed runs")
+    return pooled
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -227,6 +261,7 @@ class EngineSystem:
             result.proposed, result.accepted, result.draft_forward_passes = proposed, accepted, draft_passes
             result.acceptance_rate = accepted / proposed if proposed else None
             result.alpha = tally.accepted / tally.tested if tally.tested else None
+            result.tested = tally.tested
             result.rounds_without_draft = tally.rounds_without_draft
             result.k_histogram = {str(n): tally.k_counts.get(n, 0) for n in range(max([k, *tally.k_counts]) + 1)}
             asked = sum(tally.k_counts.values())

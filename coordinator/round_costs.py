@@ -10,8 +10,11 @@ Terms:
   (measured: 9.4 ms against 4.8 ms for all at 0 and 12.2 ms for all at 5). It is priced as a
   uniform pass of `effective_tokens(mean, longest) = mean + ragged_share * (longest - mean)`
   tokens per sequence, ragged_share measured on one half-and-half pass at the largest batch;
-- catch-up: a request back from K = 0 first feeds the drafter every token committed meanwhile,
-  `catch_up_token_seconds` each (a prior from the draft step grid, corrected online);
+- catch-up: a request back from K = 0 (or new: its prompt) first feeds the drafter every token
+  it has not seen, `catch_up_token_seconds` each: timed at start-up on one draft call that feeds
+  a batch of ~200-token prompts, corrected online. Fed in one pass, such tokens cost a fraction
+  of a decode step's share each (about a seventh on the dev machine); the sampled draft factor,
+  which prices a step's sampling, does not apply to them;
 - draft step: one batched forward of the drafter over the n sequences still drafting; a draft
   call of K steps costs `draft_call_seconds + sum over steps of draft_step_seconds(n_step)`;
 - overhead: the coordinator's own time per round (scheduling, stop conditions, streaming);
@@ -56,7 +59,7 @@ class RoundCosts:
     sampled_accept_seconds: list[float] = field(default_factory=list)  # sampled verify - greedy, there
     sampled_draft_factor: float = 1.0  # a sampled draft call / a greedy one
     ragged_share: float = 0.0  # of the longest sequence's extra tokens, what a ragged pass pays for all
-    catch_up_token_seconds: float | None = None  # None: one sequence's share of the largest draft step
+    catch_up_token_seconds: float | None = None  # None (not measured): a sequence's share of the largest draft step
     # Online corrections (measured / predicted), greedy and sampled rounds apart, so a loaded
     # machine shifts every estimate.
     verify_scale: float = 1.0
@@ -165,7 +168,11 @@ class RoundCosts:
 
     def catch_up_seconds(self, tokens: int, sampled: bool = False) -> float:
         """What feeding the drafter `tokens` committed tokens beyond one round's worth adds to a call."""
-        return tokens * self.catch_up_token_seconds * self.draft_factor(sampled)
+        return tokens * self.catch_up_token_seconds * self._draft_load(sampled)
+
+    def _draft_load(self, sampled: bool) -> float:
+        """The online correction of draft times alone (no sampled factor: catch-up samples nothing)."""
+        return self.sampled_draft_scale if sampled else self.draft_scale
 
     def observe(self, report: RoundReport, sampled: bool = False) -> None:
         """Fold a round's measured times into the corrections (`sampled`: a round with a sampled
@@ -185,7 +192,7 @@ class RoundCosts:
             if report.draft_catch_up:  # what the call took beyond its steps prices the catch-up tokens
                 beyond = report.draft_seconds - self.draft_seconds(steps, sampled)
                 if beyond > 0:
-                    per_token = beyond / report.draft_catch_up / self.draft_factor(sampled)
+                    per_token = beyond / report.draft_catch_up / self._draft_load(sampled)
                     self.catch_up_token_seconds += _REFRESH * (per_token - self.catch_up_token_seconds)
             else:  # (a call that fed a backlog would price every later step as if it carried one)
                 unscaled = self.draft_seconds(steps, sampled) / getattr(self, prefix + "draft_scale")
@@ -201,8 +208,7 @@ class RoundCosts:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen",
-                       "catch_up_token_seconds"):
+        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen"):
             data.pop(online)
         return data
 
@@ -329,6 +335,21 @@ def _ragged_share(target: TargetClient, batch: int, top: int, repeats: int, para
     return float(np.clip((best["ragged"] - at_mean) / (best["high"] - at_mean), 0.0, 1.0))
 
 
+def _catch_up_token_seconds(target: TargetClient, draft: DraftClient, batch: int, context_tokens: int,
+                            params: SamplingParams, rng: np.random.Generator, vocab_size: int,
+                            one_step_seconds: float) -> float:
+    """Seconds per token of a draft call that first feeds `batch` prompts of `context_tokens` the
+    drafter has not seen (ids "calibrate-catch-up-<i>", released at the end), less the one draft
+    step it then takes: what catching up costs, as new requests and requests back from K = 0 pay it."""
+    ids = [f"calibrate-catch-up-{i}" for i in range(batch)]
+    with _throwaway_requests(target, draft, ids, context_tokens, params, rng, vocab_size) as unsent:
+        fed = sum(len(tokens) for tokens in unsent.values())
+        start = time.perf_counter()
+        draft.propose([DraftTask(r, tokens, 1, params) for r, tokens in unsent.items()], [])
+        seconds = time.perf_counter() - start
+    return max(seconds - one_step_seconds, 0.0) / max(fed, 1)
+
+
 def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq_len: int, max_batch_size: int,
                         max_speculative_tokens: int, repeats: int = 4) -> RoundCosts:
     """Time real rounds over a grid of batch sizes and draft lengths: the drafter proposes for
@@ -338,7 +359,8 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Then the
     deepest rounds of the smallest and the largest batch once more with sampled requests
     ("calibrate-sampled-<batch>-<i>"): the accept test's time and the sampled draft factor; and
-    ragged passes at the largest batch (_ragged_share). Batch
+    ragged passes at the largest batch (_ragged_share), and the drafter's catch-up on prompts
+    there (_catch_up_token_seconds). Batch
     sizes whose sequences would not fit the target's KV cache are left out; every request is
     released."""
     info = target.info()
@@ -373,6 +395,10 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     if batches[-1] > 1 and tokens[-1] > 1 and context >= 8:  # (a tiny model: no ragged pricing)
         costs.ragged_share = _ragged_share(target, batches[-1], tokens[-1], repeats, greedy, context, rng,
                                            info.vocab_size)
+    if draft is not None and context >= 8:
+        one_step = costs.draft_seconds([batches[-1]])
+        costs.catch_up_token_seconds = _catch_up_token_seconds(target, draft, batches[-1], context, greedy, rng,
+                                                               info.vocab_size, one_step)
     if draft is not None and tokens[-1] > 1:
         sampled, k = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0), tokens[-1] - 1
         for b in sorted({batches[0], batches[-1]}):

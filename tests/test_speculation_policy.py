@@ -377,6 +377,42 @@ def test_calibration_measures_the_share_of_padding_a_ragged_pass_pays(monkeypatc
     assert sorted(target.released) == sorted(f"calibrate-ragged-{i}" for i in range(8))
 
 
+def test_calibration_prices_a_catch_up_token_from_one_call_that_feeds_prompts(monkeypatch):
+    """A drafter whose call costs 2 ms a step plus 0.05 ms per token it must first catch up on:
+    the start-up timing finds 0.05 ms (fake clock), and every throw-away request is released."""
+    from types import SimpleNamespace
+
+    from coordinator import round_costs
+    from specdec.params import SamplingParams
+    from specdec.round_types import DraftProposal, VerifyOutcome, VerifyResult
+
+    clock = [0.0]
+    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Target:
+        def verify(self, tasks, finished):
+            return VerifyResult([VerifyOutcome(t.req_id, 0, [1]) for t in tasks], 0, 100)
+
+    class Drafter:
+        released: list[str] = []
+
+        def propose(self, tasks, finished):
+            self.released += finished
+            clock[0] += sum(0.00005 * len(t.new_tokens) for t in tasks) + 0.002 * max(
+                [t.num_speculative_tokens for t in tasks], default=0)
+            return [DraftProposal(t.req_id, [1] * t.num_speculative_tokens, None, t.num_speculative_tokens)
+                    for t in tasks]
+
+    drafter = Drafter()
+    per_token = round_costs._catch_up_token_seconds(Target(), drafter, 4, 100, SamplingParams(max_new_tokens=99),
+                                                    np.random.default_rng(0), 100, one_step_seconds=0.002)
+    assert per_token == pytest.approx(0.00005, rel=0.02)  # (the prefill's committed token is fed too)
+    assert sorted(drafter.released) == sorted(f"calibrate-catch-up-{i}" for i in range(4))
+    c = costs()
+    c.catch_up_token_seconds, c.sampled_draft_factor = 0.00005, 3.0
+    assert c.catch_up_seconds(200, sampled=True) == pytest.approx(0.01)  # no sampled factor: nothing is sampled
+
+
 def test_a_verify_row_measured_falling_is_pooled_so_drafting_never_looks_cheaper():
     """At batch 1 a pass costs the same for 1 to 6 tokens up to noise; a row whose cells fell by
     chance would make every draft token look like a saving. Rows are pooled to non-decreasing."""

@@ -109,6 +109,40 @@ def test_actors_serve_the_local_engine_tokens(deployment, models):
     assert "specdec_generated_tokens_total" in httpx.get(f"{base}/metrics").text
 
 
+def test_overlapped_drafting_on_ray_actors_serves_the_serial_tokens(ray_cluster, models):
+    """--overlap under Ray: the coordinator actor pre-drafts over gRPC while the target actor
+    verifies; greedy and seeded sampled output equal the serial in-process engine's, pre-drafts
+    were sent and some kept, and a cancelled stream leaves no KV blocks behind."""
+    from specdec.app.ray_actors import launch
+
+    target, draft = models
+    dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
+                                             overlap=True, host="127.0.0.1", port=0, http_port=-1,
+                                             name="specdec-overlap", worker_cpus=0.5))
+    try:
+        serial = LocalEngine(str(target), str(draft), num_speculative_tokens=4)
+        tokens, _ = generate(dep.port, 40)
+        assert tokens == serial.generate([PROMPT], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids
+        request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=30, ignore_eos=True,
+                                                 temperature=0.8, seed=11)
+        with grpc.insecure_channel(f"127.0.0.1:{dep.port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            sampled = [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
+            stream = stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=400,
+                                                                  ignore_eos=True), timeout=60)
+            next(stream)
+            stream.cancel()
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=11)
+        assert sampled == serial.generate([PROMPT], params)[0].token_ids
+        end = time.monotonic() + 15  # releases go with the next round or an idle flush
+        while (snap := ray.get(dep.coordinator.metrics_snapshot.remote(), timeout=10))["kv_blocks_used"] != 0:
+            assert time.monotonic() < end, "target KV blocks still in use after the cancelled stream"
+            time.sleep(0.2)
+        assert snap["predraft_tokens"] > 0 and 0 < snap["predraft_kept"] <= snap["predraft_tokens"]
+    finally:
+        dep.drain_and_stop(grace_s=2)
+
+
 def test_round_callback_with_and_without_ray(models):
     """The callback on a real scheduler: exact counts; a no-op export when Ray is absent."""
     target, draft = models

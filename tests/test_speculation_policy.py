@@ -203,12 +203,18 @@ def test_sampled_rounds_are_priced_and_corrected_apart_from_greedy_ones():
     assert c.verify_seconds(1, 2, sampled=True) == pytest.approx(c.verify_seconds(1, 2) + 0.2)
     assert c.verify_seconds(8, 1, sampled=True) == pytest.approx(c.verify_seconds(8, 1))  # nothing to accept
     assert c.accept_seconds(32) == pytest.approx(0.5)
+    # A machine twice as slow: sampled passes at K = 0 and with proposals (the accept test's share
+    # as measured) take twice the estimate, and so do sampled draft steps.
+    plain_round = RoundReport(updates=[outcome("s", 0, 0)], ran=True, verify_seconds=2 * c.verify_seconds(1, 1),
+                              total_seconds=10.0)
     sampled_round = RoundReport(updates=[outcome("s", 1, 1, asked=1)], ran=True,
-                                verify_seconds=2 * c.verify_seconds(1, 2) + 0.2,
+                                verify_seconds=2 * c.verify_seconds(1, 2, sampled=True),
                                 draft_seconds=2 * c.draft_seconds([1], sampled=True), total_seconds=10.0)
     for _ in range(60):
+        c.observe(plain_round, sampled=True)
         c.observe(sampled_round, sampled=True)
     assert c.sampled_verify_scale == pytest.approx(2.0, rel=0.01)
+    assert c.verify_seconds(1, 2, sampled=True) == pytest.approx(2 * (c.verify_seconds(1, 2) + 0.2), rel=0.01)
     assert c.sampled_draft_scale == pytest.approx(2.0, rel=0.01)
     assert c.verify_scale == 1.0 and c.draft_scale == 1.0
     cached = RoundCosts.from_json(c.to_json())  # the measured figures are kept, the corrections not
@@ -411,6 +417,43 @@ def test_calibration_prices_a_catch_up_token_from_one_call_that_feeds_prompts(mo
     c = costs()
     c.catch_up_token_seconds, c.sampled_draft_factor = 0.00005, 3.0
     assert c.catch_up_seconds(200, sampled=True) == pytest.approx(0.01)  # no sampled factor: nothing is sampled
+
+
+def test_calibration_times_sampled_rounds_as_paired_differences_from_greedy_ones(monkeypatch):
+    """The accept test's time and the sampled draft factor come from greedy and sampled rounds
+    of the same shape run back to back: against a target whose sampled passes take 3 ms more and a
+    drafter whose sampled calls take 2.5x as long, on a machine that slows down as it goes (each
+    call dearer than the last), the paired medians find 3 ms and 2.5."""
+    from types import SimpleNamespace
+
+    from coordinator import round_costs
+    from specdec.params import SamplingParams
+    from specdec.round_types import DraftProposal, VerifyOutcome, VerifyResult
+
+    clock, calls = [0.0], [0]
+    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def spend(seconds: float) -> None:
+        calls[0] += 1
+        clock[0] += seconds * (1 + 0.001 * calls[0])  # a drifting machine
+
+    class Target:
+        def verify(self, tasks, finished):
+            if tasks and not tasks[0].new_tokens:
+                spend(0.010 + (0.003 if tasks[0].params.temperature > 0 else 0.0))
+            return VerifyResult([VerifyOutcome(t.req_id, 0, [1]) for t in tasks], 0, 100)
+
+    class Drafter:
+        def propose(self, tasks, finished):
+            if tasks:
+                spend(0.002 * (2.5 if tasks[0].params.temperature > 0 else 1.0))
+            return [DraftProposal(t.req_id, [], None, 0) for t in tasks]
+
+    greedy = SamplingParams(max_new_tokens=99)
+    sampled = SamplingParams(max_new_tokens=99, temperature=1.0, seed=0)
+    accept, factor = round_costs._sampled_extra(Target(), Drafter(), 2, 3, 5, greedy, sampled, 16,
+                                                np.random.default_rng(0), 100)
+    assert accept == pytest.approx(0.003, rel=0.05) and factor == pytest.approx(2.5, rel=0.02)
 
 
 def test_a_verify_row_measured_falling_is_pooled_so_drafting_never_looks_cheaper():

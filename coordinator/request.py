@@ -54,6 +54,11 @@ class RunningRequest:
     started_target: bool = False
 
     @property
+    def remaining_tokens(self) -> int:
+        """Tokens it may still commit before max_new_tokens."""
+        return self.request.params.max_new_tokens - len(self.generated)
+
+    @property
     def draft_backlog(self) -> int:
         """Committed tokens the drafter has not seen beyond one round's worth (K + 1): the backlog of
         rounds at K = 0 (or the prompt), which its next draft call feeds first."""

@@ -140,10 +140,10 @@ class RoundCosts:
         t = self._token_list
         if len(t) == 1 or tokens <= t[0]:
             return row[0]
-        if tokens >= t[-1]:
-            return row[-1] + (tokens - t[-1]) * (row[-1] - row[-2]) / (t[-1] - t[-2])
+        if tokens >= t[-1]:  # (operations in numpy's order: the same bits as the array path)
+            return row[-1] + (tokens - t[-1]) * ((row[-1] - row[-2]) / (t[-1] - t[-2]))
         i = bisect.bisect_right(t, tokens) - 1
-        return row[i] + (tokens - t[i]) * (row[i + 1] - row[i]) / (t[i + 1] - t[i])
+        return (row[i + 1] - row[i]) / (t[i + 1] - t[i]) * (tokens - t[i]) + row[i]
 
     def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
                        sampled: bool = False) -> float | np.ndarray:
@@ -175,7 +175,8 @@ class RoundCosts:
         return (self.draft_call_seconds + float(self.draft_step_seconds(steps).sum())) * self.draft_factor(sampled)
 
     def catch_up_seconds(self, tokens: int, sampled: bool = False) -> float:
-        """What feeding the drafter `tokens` committed tokens beyond one round's worth adds to a call."""
+        """What feeding the drafter `tokens` tokens it has not seen (a prompt, tokens committed at
+        K = 0) beyond one round's worth adds to a call."""
         return tokens * self.catch_up_token_seconds * self._draft_load(sampled)
 
     def _draft_load(self, sampled: bool) -> float:
@@ -215,6 +216,8 @@ class RoundCosts:
             setattr(self, scale, current + _REFRESH * (measured / unscaled - current))
 
     def to_json(self) -> dict:
+        """The measured figures, for the cost cache (saved right after measuring, so the catch-up
+        price is still the measured one), without the online corrections."""
         data = asdict(self)
         for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen"):
             data.pop(online)
@@ -365,8 +368,8 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     tokens go back to the drafter, as in serving. Interleaving matters: a draft step right after a
     target pass runs with the target's weights in the caches, about twice as slow as back-to-back
     draft steps. Each cell keeps its fastest repeat (interference only ever adds time). Then the
-    deepest rounds of the smallest and the largest batch once more with sampled requests
-    ("calibrate-sampled-<batch>-<i>"): the accept test's time and the sampled draft factor; and
+    deepest rounds of the smallest and the largest batch, greedy and sampled back to back
+    (_sampled_extra): the accept test's time and the sampled draft factor; and
     ragged passes at the largest batch (_ragged_share), and the drafter's catch-up on prompts
     there (_catch_up_token_seconds). Batch
     sizes whose sequences would not fit the target's KV cache are left out; every request is
@@ -409,17 +412,18 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
                                                                info.vocab_size, one_step)
     if draft is not None and tokens[-1] > 1:
         sampled, k = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True, temperature=1.0, seed=0), tokens[-1] - 1
-        # Both sets of requests at once: pairs fit where 2b sequences of the grid's length do.
-        pairs = 2 * (repeats + 1) * tokens[-1] + prompt_tokens + 2 * info.kv_block_size
+        # 2b sequences at once (a greedy and a sampled set), each growing by up to `top` tokens
+        # in each of 2 (repeats + 1) rounds: a small cache or context measures what fits.
+        length = prompt_tokens + 2 * (repeats + 1) * tokens[-1] + 1
+        capacity = info.kv_blocks_total * info.kv_block_size
         for b in sorted({batches[0], batches[-1]}):
-            if 2 * b * pairs > info.kv_blocks_total * info.kv_block_size:
-                continue  # (a tiny cache: sampled rounds priced as greedy ones)
+            if length >= max_seq_len or 2 * b * (length + 2 * info.kv_block_size) > capacity:
+                continue  # (sampled rounds then priced as greedy ones)
             accept, factor = _sampled_extra(target, draft, b, k, 2 * repeats + 1, greedy, sampled, prompt_tokens,
                                             rng, info.vocab_size)
             costs.sampled_batches.append(b)
             costs.sampled_accept_seconds.append(accept)
-            if b == batches[-1]:
-                costs.sampled_draft_factor = factor
+            costs.sampled_draft_factor = factor  # the largest batch measured has the last word
     return costs
 
 

@@ -264,8 +264,7 @@ class Scheduler:
         """The most a request may draft this round: shrinks near max_new_tokens and the context
         end, so a round never overflows and always commits at least one token."""
         length = len(run.request.prompt_ids) + len(run.generated)
-        remaining = run.request.params.max_new_tokens - len(run.generated)
-        return max(0, min(run.num_speculative_tokens, remaining - 1, self.max_seq_len - length - 1))
+        return max(0, min(run.num_speculative_tokens, run.remaining_tokens - 1, self.max_seq_len - length - 1))
 
     def _choose(self, runs: list[RunningRequest]) -> dict[str, int]:
         """K per request: the policy's choice under each cap, or the cap itself in fixed mode."""
@@ -274,7 +273,7 @@ class Scheduler:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
         asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run),
                               backlog=run.draft_backlog,
-                              remaining=run.request.params.max_new_tokens - len(run.generated))
+                              remaining=run.remaining_tokens)
                 for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 

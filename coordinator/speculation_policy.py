@@ -51,8 +51,18 @@ and observe() records what the round that ran actually did. It keeps one memo: t
 with the same caps and estimates get the same batch choice and probe pricing for up to
 REDECIDE_ROUNDS rounds (the cost corrections move a few percent a round), so a batch that sits
 at K = 0, where no round brings evidence, does not pay the policy's numpy time on every round
-(about 0.2 ms, 3% of a batch-8 round on the dev machine). A seeded request's K sequence thus
-depends on its committed rounds only, however often a round had to be retried.
+(about 0.2 ms, 3% of a batch-8 round on the dev machine). The key holds seeded requests' estimates
+exactly (and the others' to 2 decimals): a seeded request's K sequence thus depends on its
+committed rounds only, however often a round had to be retried. It leaves out backlogs and
+remaining tokens: a catch-up's price moves little from one round to the next, and a request that
+caught up brings new evidence, hence a new key.
+
+The fading of evidence at K = 0 lets a request come back on its merits once its estimate is near
+the drafter's recent rate again, outside the probe budget. That is meant: when that rate is
+above break-even, a request that met a run of rejections is more likely unlucky than bad, and
+its return is one round at the small K an estimate just above break-even earns. The budget
+bounds what probing costs when the rate itself is below break-even (a drafter bad at the
+traffic), where no estimate drifts above it.
 """
 from __future__ import annotations
 
@@ -99,7 +109,7 @@ class PolicyRequest:
     cap: int  # the most this request may draft this round (its max, near-end and context limits)
     greedy: bool
     seeded: bool  # a seeded sampled request: K from its own history only
-    backlog: int = 0  # committed tokens the drafter has not seen beyond one round's worth (K = 0 rounds)
+    backlog: int = 0  # tokens the drafter has not seen beyond one round's worth (a prompt; K = 0 rounds)
     remaining: int = 1 << 30  # tokens the request may still commit (max_new_tokens less those generated)
 
 
@@ -137,13 +147,18 @@ class SpeculationPolicy:
         self._memo: _Memo | None = None
 
     # -- estimates ------------------------------------------------------------------------------
-    def prior(self, request: PolicyRequest) -> float:
+    def _priors(self) -> dict[bool, float]:
+        """The drafter's recent acceptance, greedy (True) and sampled (False)."""
+        return {greedy: record.alpha(self._initial_prior) for greedy, record in self._global.items()}
+
+    def prior(self, request: PolicyRequest, priors: dict[bool, float] | None = None) -> float:
         if request.seeded:
             return SEEDED_PRIOR
-        return self._global[request.greedy].alpha(self._initial_prior)
+        return (priors or self._priors())[request.greedy]
 
-    def alpha(self, request: PolicyRequest) -> float:
-        return self._own(request.req_id).alpha(self.prior(request))
+    def alpha(self, request: PolicyRequest, priors: dict[bool, float] | None = None) -> float:
+        """(`priors`: _priors() when the caller already has them.)"""
+        return self._own(request.req_id).alpha(self.prior(request, priors))
 
     def _own(self, req_id: str) -> _Evidence:
         """A request's record, made on first use (not setdefault: a throw-away record each call
@@ -202,10 +217,12 @@ class SpeculationPolicy:
         self._credit_change = 0.0
         if not requests:
             return []
-        priors = {greedy: self._global[greedy].alpha(self._initial_prior) for greedy in (True, False)}
-        alphas = [self._own(r.req_id).alpha(SEEDED_PRIOR if r.seeded else priors[r.greedy]) for r in requests]
-        # Estimates to 2 decimals: at K = 0 they drift towards the prior by ever smaller steps.
-        key = (tuple((r.req_id, r.cap, r.greedy, r.seeded) for r in requests), tuple(round(a, 2) for a in alphas))
+        priors = self._priors()
+        alphas = [self.alpha(r, priors) for r in requests]
+        # Unseeded estimates to 2 decimals (at K = 0 they drift towards the prior by ever smaller
+        # steps); seeded ones exactly, so a seeded K is always its own estimate's.
+        key = (tuple((r.req_id, r.cap, r.greedy, r.seeded) for r in requests),
+               tuple(a if r.seeded else round(a, 2) for r, a in zip(requests, alphas)))
         memo = self._memo
         if memo is None or memo.key != key or memo.uses >= REDECIDE_ROUNDS:
             memo = self._memo = _Memo(key, self._choose_anew(requests, np.array(alphas)))

@@ -118,7 +118,7 @@ def test_overlapped_drafting_on_ray_actors_serves_the_serial_tokens(ray_cluster,
     target, draft = models
     dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
                                              overlap=True, host="127.0.0.1", port=0, http_port=-1,
-                                             name="specdec-overlap", worker_cpus=0.5))
+                                             name="specdec-overlap", worker_cpus=0.25))
     try:
         serial = LocalEngine(str(target), str(draft), num_speculative_tokens=4)
         tokens, _ = generate(dep.port, 40)

@@ -83,6 +83,30 @@ def test_a_round_that_never_ran_leaves_no_trace():
     assert first == [0] * len(first)
 
 
+def test_a_run_of_rejections_fades_while_the_request_decodes_plainly():
+    """Evidence decays at rounds without drafting too: after a run of rejections has taken a request
+    to K = 0, its estimate drifts back to the drafter's recent rate round by round, so it drafts
+    again on its merits instead of waiting for a probe with an estimate nothing can change."""
+    policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1, initial_prior=0.8)
+    request = greedy("a")
+    assert policy.choose([request])[0] > 0
+    for _ in range(10):  # rejections until it stops drafting
+        observe(policy, [outcome("a", 1, 0)])
+        if policy.choose([request]) == [0]:
+            break
+    low = policy.alpha(request)
+    assert policy.choose([request]) == [0]
+    alphas = []
+    for _ in range(12):
+        k = policy.choose([request])[0]
+        if k:
+            break
+        observe(policy, [outcome("a", 0, 0)])
+        alphas.append(policy.alpha(request))
+    assert alphas == sorted(alphas) and alphas[0] > low  # rising towards the prior of 0.8
+    assert k > 0 and policy._chosen["a"] == "merit"  # back on its merits, before any probe was due
+
+
 def test_failed_probes_wait_longer_each_time():
     policy = SpeculationPolicy(costs(draft_step=0.3), reference_draft_cost=0.1)
     probes = []
@@ -187,10 +211,13 @@ def test_round_costs_interpolate_and_follow_measurements():
 def test_one_verify_lookup_and_a_row_of_them_agree_below_within_and_beyond_the_grid():
     """observe() looks one pass up in plain Python, the policy a row of candidates with numpy."""
     c = costs(draft_step=0.05, verify_slope=0.1, batch_slope=0.02)
+    c = RoundCosts(batch_sizes=c.batch_sizes, verify_tokens=[1, 2, 3, 7, 13],  # steps other than 1 (K up to 12)
+                   verify_grid=[[0.3 + 0.17 * b + 0.011 * t ** 1.3 for t in (1, 2, 3, 7, 13)] for b in c.batch_sizes],
+                   draft_step=c.draft_step)
     for batch in (1, 3, 8, 20, 40):
-        tokens = [0.5, 1, 1.5, 2, 4.25, 6, 9, 12.5]
+        tokens = [0.5, 1, 1.5, 2, 4.25, 6, 9, 12.5, 13, 15.3]
         row = c.grid_seconds(batch, np.array(tokens))
-        assert [c.grid_seconds(batch, t) for t in tokens] == pytest.approx(row.tolist())
+        assert [c.grid_seconds(batch, t) for t in tokens] == row.tolist()  # the same bits
 
 
 def test_sampled_rounds_are_priced_and_corrected_apart_from_greedy_ones():

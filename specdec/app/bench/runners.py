@@ -132,17 +132,23 @@ def pool_runs(runs: list[RunResult]) -> RunResult:
         for r in runs:
             counts.update({int(n): c for n, c in (r.k_histogram or {}).items()})
         pooled.k_histogram = {str(n): counts[n] for n in range(max(counts, default=0) + 1)}
-        asked = sum(pooled.k_histogram.values())
-        pooled.mean_k = sum(int(n) * c for n, c in pooled.k_histogram.items()) / asked if asked else None
     pooled.tokens_per_s = pooled.tokens / pooled.seconds if pooled.seconds > 0 else None
     if all(r.mean_accepted_length for r in runs):  # tokens / passes, whatever each system counts as a pass
         pooled.mean_accepted_length = pooled.tokens / sum(r.tokens / r.mean_accepted_length for r in runs)
-    if pooled.proposed is not None and pooled.accepted is not None:
-        pooled.acceptance_rate = pooled.accepted / pooled.proposed if pooled.proposed else None
-    if pooled.tested is not None and pooled.accepted is not None:
-        pooled.alpha = pooled.accepted / pooled.tested if pooled.tested else None
+    _speculation_rates(pooled)
     pooled.notes.append(f"pooled over {len(runs)} timed runs")
     return pooled
+
+
+def _speculation_rates(result: RunResult) -> None:
+    """acceptance_rate, alpha and mean_k from the counts (those the result has)."""
+    if result.proposed is not None and result.accepted is not None:
+        result.acceptance_rate = result.accepted / result.proposed if result.proposed else None
+    if result.tested is not None and result.accepted is not None:
+        result.alpha = result.accepted / result.tested if result.tested else None
+    if result.k_histogram is not None:
+        asked = sum(result.k_histogram.values())
+        result.mean_k = sum(int(n) * c for n, c in result.k_histogram.items()) / asked if asked else None
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -259,14 +265,11 @@ class EngineSystem:
         result.mean_accepted_length = generated / rounds if rounds else None
         if self.k is not None:
             result.proposed, result.accepted, result.draft_forward_passes = proposed, accepted, draft_passes
-            result.acceptance_rate = accepted / proposed if proposed else None
-            result.alpha = tally.accepted / tally.tested if tally.tested else None
             result.tested = tally.tested
             result.rounds_without_draft = tally.rounds_without_draft
             result.k_histogram = {str(n): tally.k_counts.get(n, 0) for n in range(max([k, *tally.k_counts]) + 1)}
-            asked = sum(tally.k_counts.values())
-            result.mean_k = sum(n * c for n, c in tally.k_counts.items()) / asked if asked else None
             result.draft_steps = tally.draft_steps
+            _speculation_rates(result)
         result.draft_seconds = tally.draft_seconds
         result.verify_seconds = tally.verify_seconds
         result.other_seconds = result.seconds - result.draft_seconds - result.verify_seconds

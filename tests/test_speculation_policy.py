@@ -379,17 +379,26 @@ def test_an_unchanged_batch_keeps_its_choice_for_a_few_rounds_then_follows_the_c
     assert policy.choose([greedy("a"), greedy("c")]) == [0, 0]  # other requests: decided anew
 
 
-def test_calibration_measures_the_share_of_padding_a_ragged_pass_pays(monkeypatch):
-    """Against a target whose ragged passes cost their mean length's pass plus 40% of the way to
-    the longest one's, the start-up timing finds 0.4 (a fake clock: the target's cost, no noise)."""
+@pytest.fixture
+def fake_clock(monkeypatch) -> list[float]:
+    """round_costs' timer reads clock[0], which the fake workers of a test advance by what they cost."""
     from types import SimpleNamespace
 
+    from coordinator import round_costs
+
+    clock = [0.0]
+    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    return clock
+
+
+def test_calibration_measures_the_share_of_padding_a_ragged_pass_pays(fake_clock):
+    """Against a target whose ragged passes cost their mean length's pass plus 40% of the way to
+    the longest one's, the start-up timing finds 0.4 (a fake clock: the target's cost, no noise)."""
     from coordinator import round_costs
     from specdec.params import SamplingParams
     from specdec.round_types import VerifyOutcome, VerifyResult
 
-    clock = [0.0]
-    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    clock = fake_clock
 
     class PaddingTarget:
         def __init__(self):
@@ -410,17 +419,14 @@ def test_calibration_measures_the_share_of_padding_a_ragged_pass_pays(monkeypatc
     assert sorted(target.released) == sorted(f"calibrate-ragged-{i}" for i in range(8))
 
 
-def test_calibration_prices_a_catch_up_token_from_one_call_that_feeds_prompts(monkeypatch):
+def test_calibration_prices_a_catch_up_token_from_one_call_that_feeds_prompts(fake_clock):
     """A drafter whose call costs 2 ms a step plus 0.05 ms per token it must first catch up on:
     the start-up timing finds 0.05 ms (fake clock), and every throw-away request is released."""
-    from types import SimpleNamespace
-
     from coordinator import round_costs
     from specdec.params import SamplingParams
     from specdec.round_types import DraftProposal, VerifyOutcome, VerifyResult
 
-    clock = [0.0]
-    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    clock = fake_clock
 
     class Target:
         def verify(self, tasks, finished):
@@ -446,19 +452,16 @@ def test_calibration_prices_a_catch_up_token_from_one_call_that_feeds_prompts(mo
     assert c.catch_up_seconds(200, sampled=True) == pytest.approx(0.01)  # no sampled factor: nothing is sampled
 
 
-def test_calibration_times_sampled_rounds_as_paired_differences_from_greedy_ones(monkeypatch):
+def test_calibration_times_sampled_rounds_as_paired_differences_from_greedy_ones(fake_clock):
     """The accept test's time and the sampled draft factor come from greedy and sampled rounds
     of the same shape run back to back: against a target whose sampled passes take 3 ms more and a
     drafter whose sampled calls take 2.5x as long, on a machine that slows down as it goes (each
     call dearer than the last), the paired medians find 3 ms and 2.5."""
-    from types import SimpleNamespace
-
     from coordinator import round_costs
     from specdec.params import SamplingParams
     from specdec.round_types import DraftProposal, VerifyOutcome, VerifyResult
 
-    clock, calls = [0.0], [0]
-    monkeypatch.setattr(round_costs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    clock, calls = fake_clock, [0]
 
     def spend(seconds: float) -> None:
         calls[0] += 1

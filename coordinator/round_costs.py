@@ -29,6 +29,12 @@ Terms:
   so the test's share stays the measured one while both follow the machine's speed. (Correcting
   the test apart, from what drafting rounds took beyond the pass's estimate, charged it with the
   pass's own error: it grew to 4x its measured time and priced K = 1 out at batch 1.)
+- plain passes (every sequence fed one token: a round at K = 0) and drafting passes are corrected
+  apart: what the grid gets wrong differs between them (its calibration noise, cell by cell;
+  attention over a longer context than timed weighs more in a pass of more tokens), and with one
+  correction learnt from drafting rounds a plain round at batch 8 was priced 20% above its cost
+  (12.4 ms against 10.2), so the policy drafted at 0.85x plain. A class not seen for a while
+  keeps its last correction.
 
 Measuring through DraftClient / TargetClient (not the models directly) prices what the policy
 actually pays, transport included, in process and over gRPC alike.
@@ -49,7 +55,11 @@ from specdec.params import SamplingParams
 from specdec.round_types import DraftTask, SparseDist, VerifyTask
 
 _REFRESH = 0.1  # weight of each new round in the online corrections
-RAGGED_CONTEXT = 256  # the most context per sequence of the ragged-pass timing (less its growth)
+# The context per sequence (at most; growth included) that verify passes are timed at: attention's
+# share grows with it, and the grid timed at 32-token prompts priced a plain pass at batch 8
+# 20% above what it cost beside 200-token ones, where drafting passes came out right (one online
+# correction serves both), so the policy drafted where plain rounds were the faster (0.85x).
+SERVING_CONTEXT = 256
 _RANDOM_Q_WIDTH = 64  # q entries of a stand-in proposal when the drafter sent none to copy
 
 
@@ -67,11 +77,14 @@ class RoundCosts:
     ragged_share: float = 0.0  # of the longest sequence's extra tokens, what a ragged pass pays for all
     catch_up_token_seconds: float | None = None  # None (not measured): a sequence's share of the largest draft step
     # Online corrections (measured / predicted), greedy and sampled rounds apart, so a loaded
-    # machine shifts every estimate.
+    # machine shifts every estimate; verify passes with proposals and plain ones (every sequence
+    # fed one token) apart too (module docstring).
     verify_scale: float = 1.0
     draft_scale: float = 1.0
     sampled_verify_scale: float = 1.0
     sampled_draft_scale: float = 1.0
+    plain_verify_scale: float = 1.0
+    sampled_plain_verify_scale: float = 1.0
     rounds_seen: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -147,13 +160,16 @@ class RoundCosts:
 
     def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
                        sampled: bool = False) -> float | np.ndarray:
-        """A verify pass, corrected; a sampled one that verifies proposals (more than one token
-        per sequence on average) adds the accept test, under the same correction."""
-        if not sampled:
-            return self.grid_seconds(batch, tokens_per_seq) * self.verify_scale
-        value = self.grid_seconds(batch, tokens_per_seq) + np.where(np.asarray(tokens_per_seq) > 1,
-                                                                    self.accept_seconds(batch), 0.0)
-        value = value * self.sampled_verify_scale
+        """A verify pass under its correction (a plain pass's or a drafting one's); a sampled one
+        that verifies proposals (more than one token per sequence on average) adds the accept
+        test, under the same correction."""
+        drafting = np.asarray(tokens_per_seq) > 1
+        value = self.grid_seconds(batch, tokens_per_seq)
+        if sampled:
+            value = value + np.where(drafting, self.accept_seconds(batch), 0.0)
+            value = value * np.where(drafting, self.sampled_verify_scale, self.sampled_plain_verify_scale)
+        else:
+            value = value * np.where(drafting, self.verify_scale, self.plain_verify_scale)
         return value if np.ndim(value) else float(value)
 
     def draft_steps_by_count(self, batch: int) -> np.ndarray:
@@ -194,7 +210,8 @@ class RoundCosts:
         tokens = self.effective_tokens(sum(fed) / len(fed), max(fed))
         accept = self.accept_seconds(len(ran)) if sampled and tokens > 1 else 0.0
         if not report.target_prefill:  # a pass that first fed prompts says nothing about verifying
-            self._correct(prefix + "verify_scale", report.verify_seconds, self.grid_seconds(len(ran), tokens) + accept)
+            scale = prefix + ("verify_scale" if tokens > 1 else "plain_verify_scale")
+            self._correct(scale, report.verify_seconds, self.grid_seconds(len(ran), tokens) + accept)
         asked = [u.num_speculative_tokens for u in ran]
         if max(asked) > 0 and report.draft_seconds > 0:
             steps = [sum(1 for k in asked if k > s) for s in range(max(asked))]
@@ -219,7 +236,8 @@ class RoundCosts:
         """The measured figures, for the cost cache (saved right after measuring, so the catch-up
         price is still the measured one), without the online corrections."""
         data = asdict(self)
-        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale", "rounds_seen"):
+        for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale",
+                       "plain_verify_scale", "sampled_plain_verify_scale", "rounds_seen"):
             data.pop(online)
         return data
 
@@ -309,14 +327,19 @@ def _time_batch(target: TargetClient, draft: DraftClient | None, ids: list[str],
                 repeats: int, params: SamplingParams, prompt_tokens: int, rng: np.random.Generator,
                 vocab_size: int) -> tuple[list[float], list[float]]:
     """Fastest (draft seconds, verify seconds) of `repeats` rounds at each draft length, over the
-    throw-away requests `ids` (released at the end, whatever happens)."""
+    throw-away requests `ids` (released at the end, whatever happens). The lengths take turns,
+    deepest first, so a slow spell of the machine touches every cell alike rather than all repeats
+    of one (the 1-token cell at batch 8 once measured 32 ms beside 15 ms). The plain pass (k = 0)
+    comes last: the next attempt's deepest call first feeds the drafter the token it committed,
+    a sliver of that call's time (of the 1-step call's, which prices a call's own cost, a share
+    that counts)."""
     with _throwaway_requests(target, draft, ids, prompt_tokens, params, rng, vocab_size) as unsent:
-        draft_times, verify_times = [], []
-        for k in draft_lengths:
-            timed = [_timed_round(target, draft, unsent, k, params, rng, vocab_size)
-                     for _ in range(repeats + 1)][1:]  # the first is a warm-up
-            draft_times.append(min(d for d, _ in timed))
-            verify_times.append(min(v for _, v in timed))
+        draft_times, verify_times = [float("inf")] * len(draft_lengths), [float("inf")] * len(draft_lengths)
+        for attempt in range(repeats + 1):
+            for i in reversed(range(len(draft_lengths))):
+                drafting, verifying = _timed_round(target, draft, unsent, draft_lengths[i], params, rng, vocab_size)
+                if attempt:  # the first is a warm-up
+                    draft_times[i], verify_times[i] = min(draft_times[i], drafting), min(verify_times[i], verifying)
         return draft_times, verify_times
 
 
@@ -385,13 +408,14 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     while repeats > 1 and min(room, max_seq_len) < growth + 8:  # a small model: fewer repeats
         repeats -= 1
         growth = (repeats + 1) * sum(tokens) + 1
-    prompt_tokens = max(1, min(32, max_seq_len - growth, room - growth))
+    prompt_tokens = max(1, min(32, max_seq_len - growth, room - growth))  # (the sampled pairs: a difference)
+    grid_prompt = max(prompt_tokens, min(SERVING_CONTEXT - growth, max_seq_len - growth, room - growth))
     greedy = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
     rng = np.random.default_rng(0)
     grid, draft_step, draft_call = [], [], []
     for b in batches:
         draft_times, row = _time_batch(target, draft, [f"calibrate-{b}-{i}" for i in range(b)],
-                                       [t - 1 for t in tokens], repeats, greedy, prompt_tokens, rng, info.vocab_size)
+                                       [t - 1 for t in tokens], repeats, greedy, grid_prompt, rng, info.vocab_size)
         grid.append(row)
         if draft is not None:
             deepest = tokens[-1] - 1
@@ -403,7 +427,7 @@ def measure_round_costs(target: TargetClient, draft: DraftClient | None, max_seq
     costs = RoundCosts(batch_sizes=batches, verify_tokens=tokens, verify_grid=grid, draft_step=draft_step,
                        draft_call_seconds=float(np.median(draft_call)) if draft_call else 0.0)
     # Each attempt of the ragged timing grows a sequence by at most 1 + top + top tokens.
-    context = min(RAGGED_CONTEXT, max_seq_len // 2, room) - (repeats + 1) * (2 * tokens[-1] + 1)
+    context = min(SERVING_CONTEXT, max_seq_len // 2, room) - (repeats + 1) * (2 * tokens[-1] + 1)
     if batches[-1] > 1 and tokens[-1] > 1 and context >= 8:  # (a tiny model: no ragged pricing)
         costs.ragged_share = _ragged_share(target, batches[-1], tokens[-1], repeats, greedy, context, rng,
                                            info.vocab_size)

@@ -291,10 +291,28 @@ def test_a_round_that_fed_prompts_leaves_the_verify_correction_alone():
     admitted = RoundReport(updates=[outcome("a", 0, 0)], ran=True, verify_seconds=50 * c.verify_seconds(1, 1),
                            target_prefill=300, total_seconds=60.0)
     c.observe(admitted)
-    assert c.verify_scale == 1.0
+    assert c.plain_verify_scale == 1.0
     c.observe(RoundReport(updates=admitted.updates, ran=True, verify_seconds=admitted.verify_seconds,
                           total_seconds=60.0))
-    assert c.verify_scale > 1.0  # the same pass without a prefill does count
+    assert c.plain_verify_scale > 1.0  # the same pass without a prefill does count
+
+
+def test_plain_rounds_cheaper_than_the_grid_says_end_a_marginal_draft_at_batch_8():
+    """The grid prices a plain pass 30% above what it costs in steady plain decoding while drafting
+    passes come out right (at batch 8 on the dev machine: 12.4 ms predicted, 10.2 measured). Plain
+    rounds seen at their cost correct plain passes alone, and the marginal draft (K = 1 at
+    acceptance 0.35: +7% by the grid) gives way to plain decoding."""
+    c = costs(draft_step=0.05, verify_slope=0.05, batch_slope=0.1)
+    batch = [greedy(f"r{i}") for i in range(8)]
+    assert SpeculationPolicy(c, reference_draft_cost=0.1, initial_prior=0.35).choose(batch) == [1] * 8
+    plain = c.verify_seconds(8, 1)
+    for _ in range(60):
+        c.observe(RoundReport(updates=[outcome(f"r{i}", 0, 0) for i in range(8)], ran=True,
+                              verify_seconds=0.7 * plain, total_seconds=0.7 * plain))
+    assert c.plain_verify_scale == pytest.approx(0.7, rel=0.01) and c.verify_scale == 1.0
+    assert c.verify_seconds(8, 1) == pytest.approx(0.7 * plain, rel=0.01)
+    assert c.verify_seconds(8, 2) == pytest.approx(plain + 0.4)  # drafting passes as measured
+    assert SpeculationPolicy(c, reference_draft_cost=0.1, initial_prior=0.35).choose(batch) == [0] * 8
 
 
 def test_one_request_drafting_among_plain_ones_is_priced_by_its_length():

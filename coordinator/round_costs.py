@@ -29,12 +29,15 @@ Terms:
   so the test's share stays the measured one while both follow the machine's speed. (Correcting
   the test apart, from what drafting rounds took beyond the pass's estimate, charged it with the
   pass's own error: it grew to 4x its measured time and priced K = 1 out at batch 1.)
-- plain passes (every sequence fed one token: a round at K = 0) and drafting passes are corrected
-  apart: what the grid gets wrong differs between them (its calibration noise, cell by cell;
-  attention over a longer context than timed weighs more in a pass of more tokens), and with one
-  correction learnt from drafting rounds a plain round at batch 8 was priced 20% above its cost
-  (12.4 ms against 10.2), so the policy drafted at 0.85x plain. A class not seen for a while
-  keeps its last correction.
+- a plain pass (every sequence fed one token: a round at K = 0) is further multiplied by a factor
+  of its own, learnt from plain rounds at a quarter of the rate: what the grid gets wrong differs
+  between plain and drafting passes (its calibration noise, cell by cell; attention over a longer
+  context than timed weighs more in a pass of more tokens), and with the one correction learnt
+  from drafting rounds a plain round at batch 8 was priced 20% above its cost (12.4 ms against
+  10.2), so the policy drafted at 0.85x plain. The machine's speed stays one shared scale: with
+  a correction per kind of pass, a machine 20% slower than at calibration, seen through plain
+  rounds only (batch 8, T = 0.8), left drafting rounds priced at the old speed, and the policy
+  drafted at 0.88x plain.
 
 Measuring through DraftClient / TargetClient (not the models directly) prices what the policy
 actually pays, transport included, in process and over gRPC alike.
@@ -55,6 +58,9 @@ from specdec.params import SamplingParams
 from specdec.round_types import DraftTask, SparseDist, VerifyTask
 
 _REFRESH = 0.1  # weight of each new round in the online corrections
+# The same for the plain-pass factors: slower, so that the machine's drift goes to the shared
+# scale (it moves 80% of the way there when only plain rounds run) and a factor keeps its shape.
+_FACTOR_REFRESH = 0.025
 # The context per sequence (at most; growth included) that verify passes are timed at: attention's
 # share grows with it, and the grid timed at 32-token prompts priced a plain pass at batch 8
 # 20% above what it cost beside 200-token ones, where drafting passes came out right (one online
@@ -77,14 +83,14 @@ class RoundCosts:
     ragged_share: float = 0.0  # of the longest sequence's extra tokens, what a ragged pass pays for all
     catch_up_token_seconds: float | None = None  # None (not measured): a sequence's share of the largest draft step
     # Online corrections (measured / predicted), greedy and sampled rounds apart, so a loaded
-    # machine shifts every estimate; verify passes with proposals and plain ones (every sequence
-    # fed one token) apart too (module docstring).
+    # machine shifts every estimate; a plain pass (every sequence fed one token) is further
+    # multiplied by its own slowly learnt factor (module docstring).
     verify_scale: float = 1.0
     draft_scale: float = 1.0
     sampled_verify_scale: float = 1.0
     sampled_draft_scale: float = 1.0
-    plain_verify_scale: float = 1.0
-    sampled_plain_verify_scale: float = 1.0
+    plain_verify_factor: float = 1.0
+    sampled_plain_verify_factor: float = 1.0
     rounds_seen: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,16 +166,16 @@ class RoundCosts:
 
     def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
                        sampled: bool = False) -> float | np.ndarray:
-        """A verify pass under its correction (a plain pass's or a drafting one's); a sampled one
-        that verifies proposals (more than one token per sequence on average) adds the accept
-        test, under the same correction."""
+        """A verify pass, corrected (a plain one by its factor too); a sampled one that verifies
+        proposals (more than one token per sequence on average) adds the accept test, under the
+        same correction."""
         drafting = np.asarray(tokens_per_seq) > 1
         value = self.grid_seconds(batch, tokens_per_seq)
         if sampled:
             value = value + np.where(drafting, self.accept_seconds(batch), 0.0)
-            value = value * np.where(drafting, self.sampled_verify_scale, self.sampled_plain_verify_scale)
+            value = value * self.sampled_verify_scale * np.where(drafting, 1.0, self.sampled_plain_verify_factor)
         else:
-            value = value * np.where(drafting, self.verify_scale, self.plain_verify_scale)
+            value = value * self.verify_scale * np.where(drafting, 1.0, self.plain_verify_factor)
         return value if np.ndim(value) else float(value)
 
     def draft_steps_by_count(self, batch: int) -> np.ndarray:
@@ -210,8 +216,13 @@ class RoundCosts:
         tokens = self.effective_tokens(sum(fed) / len(fed), max(fed))
         accept = self.accept_seconds(len(ran)) if sampled and tokens > 1 else 0.0
         if not report.target_prefill:  # a pass that first fed prompts says nothing about verifying
-            scale = prefix + ("verify_scale" if tokens > 1 else "plain_verify_scale")
-            self._correct(scale, report.verify_seconds, self.grid_seconds(len(ran), tokens) + accept)
+            grid, scale = self.grid_seconds(len(ran), tokens) + accept, prefix + "verify_scale"
+            if tokens > 1:
+                self._correct(scale, report.verify_seconds, grid)
+            else:  # both from their values before this round
+                factor, scaled = prefix + "plain_verify_factor", grid * getattr(self, scale)
+                self._correct(scale, report.verify_seconds, grid * getattr(self, factor))
+                self._correct(factor, report.verify_seconds, scaled, _FACTOR_REFRESH)
         asked = [u.num_speculative_tokens for u in ran]
         if max(asked) > 0 and report.draft_seconds > 0:
             steps = [sum(1 for k in asked if k > s) for s in range(max(asked))]
@@ -226,18 +237,18 @@ class RoundCosts:
         self.overhead_seconds += _REFRESH * (report.overhead_seconds - self.overhead_seconds)
         self.rounds_seen += 1
 
-    def _correct(self, scale: str, measured: float, unscaled: float) -> None:
+    def _correct(self, scale: str, measured: float, unscaled: float, rate: float = _REFRESH) -> None:
         """Move one online correction a step towards measured / (the prediction it multiplies)."""
         if unscaled > 0 and measured > 0:
             current = getattr(self, scale)
-            setattr(self, scale, current + _REFRESH * (measured / unscaled - current))
+            setattr(self, scale, current + rate * (measured / unscaled - current))
 
     def to_json(self) -> dict:
         """The measured figures, for the cost cache (saved right after measuring, so the catch-up
         price is still the measured one), without the online corrections."""
         data = asdict(self)
         for online in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale",
-                       "plain_verify_scale", "sampled_plain_verify_scale", "rounds_seen"):
+                       "plain_verify_factor", "sampled_plain_verify_factor", "rounds_seen"):
             data.pop(online)
         return data
 

@@ -317,7 +317,8 @@ def test_plain_rounds_cheaper_than_the_grid_says_end_a_marginal_draft_at_batch_8
     for _ in range(300):
         c.observe(_batch_8_round(c, 0, 0.7))
         c.observe(_batch_8_round(c, 1, 1.0))
-    assert c.plain_verify_factor == pytest.approx(0.7, rel=0.03) and c.verify_scale == pytest.approx(1.0, rel=0.03)
+    assert c.plain_verify_factor == pytest.approx(0.7, rel=0.03)
+    assert c.verify_scale == pytest.approx(1.0, rel=0.03)
     assert SpeculationPolicy(c, reference_draft_cost=0.1, initial_prior=0.35).choose(batch) == [0] * 8
 
 
@@ -332,6 +333,7 @@ def test_a_machine_slowed_down_is_seen_by_drafting_estimates_through_plain_round
         c.observe(_batch_8_round(c, 0, 1.3))
     assert c.verify_seconds(8, 1) == pytest.approx(1.3 * c.grid_seconds(8, 1), rel=0.01)
     assert c.verify_seconds(8, 2) > 1.2 * drafting
+
 
 def test_one_request_drafting_among_plain_ones_is_priced_by_its_length():
     """Attention pads every sequence of a pass to the longest: one request at K = 5 among seven at

@@ -236,6 +236,8 @@ class SpeculationPolicy:
 
     def _choose_anew(self, requests: list[PolicyRequest], alphas: np.ndarray) -> np.ndarray:
         """K per request before probing: seeded ones by their own rule, the others together."""
+        if len(requests) == 1 and not requests[0].seeded and requests[0].cap > 0:
+            return np.array([self._lone_choice(requests[0], float(alphas[0]))])
         caps = np.array([max(r.cap, 0) for r in requests])
         seeded = np.array([r.seeded for r in requests])
         chosen = np.zeros(len(requests), dtype=np.int64)
@@ -306,6 +308,24 @@ class SpeculationPolicy:
             seconds = seconds + (np.where(candidates > 0, lag_seconds[None, :], 0.0) / payback).sum(axis=1)
         rates = expected_tokens(alphas[None, :], everyone).sum(axis=1) / seconds
         return candidates[int(np.argmax(rates))]
+
+    def _lone_choice(self, request: PolicyRequest, alpha: float) -> int:
+        """_batch_choice for a batch of one unseeded request, in plain Python (at batch 1 the
+        numpy version's fixed costs were most of the policy's time): the K of the best rate, the
+        deepest of equal ones, as there."""
+        sampled = not request.greedy
+        lag = self.costs.catch_up_seconds(request.backlog, sampled) if request.backlog else 0.0
+        best_k, best_rate = 0, -1.0
+        for k in range(request.cap, -1, -1):
+            if k and alpha ** k <= 0.0:  # a token worth nothing is no candidate (values > 0 there)
+                continue
+            gain = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+            seconds = self.costs.lone_round_seconds(k, sampled)
+            if k and lag:
+                seconds += lag / min(max(request.remaining / gain, 1.0), PAYBACK_ROUNDS)
+            if gain / seconds > best_rate:
+                best_k, best_rate = k, gain / seconds
+        return best_k
 
     def _round_seconds(self, ks: np.ndarray, sampled: bool) -> np.ndarray:
         """Predicted seconds of a round for each candidate row of ks [C, B]."""

@@ -417,6 +417,47 @@ def test_an_unchanged_batch_keeps_its_choice_for_a_few_rounds_then_follows_the_c
     assert policy.choose([greedy("a"), greedy("c")]) == [0, 0]  # other requests: decided anew
 
 
+def skewed_costs(rng: np.random.Generator) -> RoundCosts:
+    """Round costs with every correction, the accept test and a catch-up price away from 1 and 0."""
+    c = costs(draft_step=rng.uniform(0.02, 0.5), verify_slope=rng.uniform(0.0, 0.3))
+    c.sampled_batches, c.sampled_accept_seconds = [1, 32], [rng.uniform(0.0, 0.3), 0.5]
+    c.draft_call_seconds, c.overhead_seconds = rng.uniform(0.0, 0.2), rng.uniform(0.0, 0.2)
+    c.sampled_draft_factor, c.catch_up_token_seconds = rng.uniform(1.0, 2.0), rng.uniform(0.001, 0.02)
+    for scale in ("verify_scale", "draft_scale", "sampled_verify_scale", "sampled_draft_scale",
+                  "plain_verify_factor", "sampled_plain_verify_factor"):
+        setattr(c, scale, rng.uniform(0.7, 1.4))
+    return c
+
+
+def test_a_lone_round_is_priced_as_the_batch_pricing_prices_a_batch_of_one():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        policy = SpeculationPolicy(skewed_costs(rng), reference_draft_cost=0.1)
+        for sampled in (False, True):
+            ks = np.arange(7)[:, None]  # [K, 1]: one candidate per K, a batch of one
+            batch = policy._round_seconds(ks, sampled)
+            lone = [policy.costs.lone_round_seconds(k, sampled) for k in range(7)]
+            assert lone == pytest.approx(batch.tolist(), rel=1e-12)
+
+
+def test_a_lone_request_gets_the_k_the_batch_choice_would_give_it():
+    """At batch 1 the policy chooses in plain Python (_lone_choice); over random estimates, caps,
+    costs, backlogs and both kinds of request it picks what the batch choice picks."""
+    rng = np.random.default_rng(1)
+    picked = set()
+    for i in range(300):
+        policy = SpeculationPolicy(skewed_costs(rng), reference_draft_cost=0.1)
+        alpha, cap = float(rng.uniform(0.0, 0.999)), int(rng.integers(1, 9))
+        request = PolicyRequest(f"r{i}", cap, greedy=bool(rng.integers(2)), seeded=False,
+                                backlog=int(rng.choice([0, 0, 30, 400])), remaining=int(rng.integers(1, 300)))
+        catch_up = policy._amortizable_catch_up([request], np.array([True]))
+        batch = policy._batch_choice(np.array([alpha]), np.array([cap]), np.zeros(1, dtype=np.int64),
+                                     np.array([True]), not request.greedy, catch_up)
+        assert policy._lone_choice(request, alpha) == int(batch[0])
+        picked.add(int(batch[0]))
+    assert len(picked) >= 5  # the cases cover plain steps, short and long drafts
+
+
 @pytest.fixture
 def fake_clock(monkeypatch) -> list[float]:
     """round_costs' timer reads clock[0], which the fake workers of a test advance by what they cost."""

@@ -105,7 +105,7 @@ class RoundCosts:
         self._row_lists: dict[float, list[float]] = {}  # the same as lists, for scalar lookups (observe)
         self._token_list = [float(t) for t in self.verify_tokens]
         self._steps_by_count: dict[int, np.ndarray] = {}
-        self._lone_figures: tuple[float, float] | None = None  # (accept test, draft step) at batch 1
+        self._step_lists: dict[int, list[float]] = {}  # the same as lists, for scalar lookups
         if self.catch_up_token_seconds is None:
             self.catch_up_token_seconds = float(self._draft[-1] / self._batches[-1])
 
@@ -138,7 +138,7 @@ class RoundCosts:
         """The sampled accept test's extra time in a verify pass over `batch` sequences."""
         if not self.sampled_batches:
             return 0.0
-        return float(np.interp(batch, self.sampled_batches, self.sampled_accept_seconds))
+        return _interp(batch, self.sampled_batches, self.sampled_accept_seconds)
 
     def grid_seconds(self, batch: float, tokens_per_seq: float | np.ndarray) -> float | np.ndarray:
         """The measured greedy verify time: bilinear interpolation, the last slope beyond the grid."""
@@ -184,16 +184,13 @@ class RoundCosts:
         pricing (SpeculationPolicy._round_seconds) gives a batch of one, in plain Python. The
         policy prices every K of a lone request each round, and numpy's per-call overhead on arrays
         this small made that 0.2 ms, 2-3% of a batch-1 round on the dev machine."""
-        if self._lone_figures is None:
-            self._lone_figures = (self.accept_seconds(1), float(self.draft_steps_by_count(1)[1]))
-        accept, draft_step = self._lone_figures
         verify = self._grid_scalar(1, k + 1.0)
         if sampled:
-            verify = (verify + accept) * self.sampled_verify_scale if k else \
+            verify = (verify + self.accept_seconds(1)) * self.sampled_verify_scale if k else \
                 verify * self.sampled_verify_scale * self.sampled_plain_verify_factor
         else:
             verify = verify * self.verify_scale * (1.0 if k else self.plain_verify_factor)
-        draft = (k * draft_step + self.draft_call_seconds) * self.draft_factor(sampled) if k else 0.0
+        draft = (k * self._step_list(1)[1] + self.draft_call_seconds) * self.draft_factor(sampled) if k else 0.0
         return verify + draft + self.overhead_seconds
 
     def draft_steps_by_count(self, batch: int) -> np.ndarray:
@@ -203,16 +200,24 @@ class RoundCosts:
             table = self._steps_by_count[batch] = self.draft_step_seconds(np.arange(batch + 1))
         return table
 
+    def _step_list(self, batch: int) -> list[float]:
+        table = self._step_lists.get(batch)
+        if table is None:
+            table = self._step_lists[batch] = [float(x) for x in self.draft_steps_by_count(batch)]
+        return table
+
     def draft_step_seconds(self, sequences: np.ndarray) -> np.ndarray:
         """Unscaled seconds of draft steps advancing that many sequences each (0: no step)."""
         return np.interp(sequences, self._batches, self._draft) * (np.asarray(sequences) > 0)
 
     def draft_seconds(self, steps: list[int] | np.ndarray, sampled: bool = False) -> float:
-        """A draft call whose step s advances steps[s] sequences (0 steps: no call)."""
-        steps = np.asarray([n for n in steps if n > 0])
-        if not steps.size:
+        """A draft call whose step s advances steps[s] sequences (0 steps: no call). In plain
+        Python, like the other lookups observe() makes every round."""
+        counts = [int(n) for n in steps if n > 0]
+        if not counts:
             return 0.0
-        return (self.draft_call_seconds + float(self.draft_step_seconds(steps).sum())) * self.draft_factor(sampled)
+        table = self._step_list(max(counts))
+        return (self.draft_call_seconds + sum(table[n] for n in counts)) * self.draft_factor(sampled)
 
     def catch_up_seconds(self, tokens: int, sampled: bool = False) -> float:
         """What feeding the drafter `tokens` tokens it has not seen (a prompt, tokens committed at
@@ -273,6 +278,17 @@ class RoundCosts:
     @staticmethod
     def from_json(data: dict) -> RoundCosts:
         return RoundCosts(**data)
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """np.interp at one point (xs ascending), in plain Python: numpy's per-call cost on a scalar
+    is tens of microseconds once a round's forward passes have evicted it from the caches."""
+    if x <= xs[0]:
+        return float(ys[0])
+    if x >= xs[-1]:
+        return float(ys[-1])
+    i = bisect.bisect_right(xs, x) - 1
+    return (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (x - xs[i]) + ys[i]
 
 
 def _non_decreasing(values: list[float]) -> list[float]:

@@ -138,10 +138,11 @@ def test_normal_request_keeps_its_latency_while_4_clients_send_hostile_requests(
     """Quiet latency, then latency under attack, medians of 7 each. The attack is a stated load:
     4 clients, each sending HOSTILE_RATE requests a second (a 4 MiB prompt over gRPC, a 12 MiB one,
     10,000 stop strings, a 4 MiB prompt over HTTP). Flat out (one request every ~30 ms each) the
-    ratio measured 2.0-2.8x on this 2-core machine: refusing a 4 MiB request holds the server's
-    GIL for 7-9 ms (gRPC) and 13-24 ms (HTTP: body read and JSON parse), the model runs in the same
-    process, and the machine is shared with other jobs, which can double one measurement on their
-    own: up to 5 attempts, and one within 2x shows what the hostile clients cost."""
+    ratio measured 2.0-2.8x on this 2-core machine: refusing a 4 MiB request costs the server
+    7-9 ms of CPU (gRPC) to 13-24 ms (HTTP: body read and JSON parse), mostly on its event loop
+    under the GIL that the model's thread needs too (it runs in the same process), and the machine
+    is shared with other jobs, which can double one measurement on their own: up to 5 attempts,
+    and one within 2x shows what the hostile clients cost."""
     for _ in range(3):
         normal_latency(served)  # warm-up
     ratios = []

@@ -440,6 +440,18 @@ def test_a_lone_round_is_priced_as_the_batch_pricing_prices_a_batch_of_one():
             assert lone == pytest.approx(batch.tolist(), rel=1e-12)
 
 
+def test_cost_lookups_in_plain_python_agree_with_numpy_between_and_beyond_the_grid():
+    rng = np.random.default_rng(2)
+    c = skewed_costs(rng)
+    c.sampled_batches, c.sampled_accept_seconds = [1, 4, 32], [0.1, 0.25, 0.4]
+    for batch in (0.5, 1, 2, 4, 7.5, 32, 40):
+        assert c.accept_seconds(batch) == pytest.approx(np.interp(batch, [1, 4, 32], [0.1, 0.25, 0.4]), rel=1e-12)
+    steps = [8, 8, 5, 1, 0]
+    expected = (c.draft_call_seconds + np.interp(steps[:4], c.batch_sizes, c.draft_step).sum()) * c.draft_factor(True)
+    assert c.draft_seconds(steps, sampled=True) == pytest.approx(expected, rel=1e-12)
+    assert c.draft_seconds([0, 0]) == 0.0
+
+
 def test_a_lone_request_gets_the_k_the_batch_choice_would_give_it():
     """At batch 1 the policy chooses in plain Python (_lone_choice); over random estimates, caps,
     costs, backlogs and both kinds of request it picks what the batch choice picks."""

@@ -158,12 +158,9 @@ class RoundCosts:
         if row is None:
             row = self._row_lists[batch] = [float(x) for x in self.verify_row(batch)]
         t = self._token_list
-        if len(t) == 1 or tokens <= t[0]:
-            return row[0]
-        if tokens >= t[-1]:  # (operations in numpy's order: the same bits as the array path)
+        if len(t) > 1 and tokens > t[-1]:  # (operations in numpy's order: the same bits as the array path)
             return row[-1] + (tokens - t[-1]) * ((row[-1] - row[-2]) / (t[-1] - t[-2]))
-        i = bisect.bisect_right(t, tokens) - 1
-        return (row[i + 1] - row[i]) / (t[i + 1] - t[i]) * (tokens - t[i]) + row[i]
+        return _interp(tokens, t, row)
 
     def verify_seconds(self, batch: float, tokens_per_seq: float | np.ndarray,
                        sampled: bool = False) -> float | np.ndarray:
@@ -281,8 +278,9 @@ class RoundCosts:
 
 
 def _interp(x: float, xs: list[float], ys: list[float]) -> float:
-    """np.interp at one point (xs ascending), in plain Python: numpy's per-call cost on a scalar
-    is tens of microseconds once a round's forward passes have evicted it from the caches."""
+    """np.interp at one point (xs ascending), in plain Python and in numpy's order of operations:
+    numpy's per-call cost on a scalar is tens of microseconds once a round's forward passes have
+    evicted it from the caches."""
     if x <= xs[0]:
         return float(ys[0])
     if x >= xs[-1]:

@@ -127,8 +127,8 @@ class _Evidence(DecayedRate):
         return min(max(self.rate(prior), 0.0), _ALPHA_MAX)
 
 
-def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha), elementwise (alpha < 1)."""
+def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> float | np.ndarray:
+    """E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha), elementwise or on plain numbers (alpha < 1)."""
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
@@ -319,12 +319,13 @@ class SpeculationPolicy:
         for k in range(request.cap, -1, -1):
             if k and alpha ** k <= 0.0:  # a token worth nothing is no candidate (values > 0 there)
                 continue
-            gain = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+            gain = expected_tokens(alpha, k)
             seconds = self.costs.lone_round_seconds(k, sampled)
             if k and lag:
                 seconds += lag / min(max(request.remaining / gain, 1.0), PAYBACK_ROUNDS)
-            if gain / seconds > best_rate:
-                best_k, best_rate = k, gain / seconds
+            rate = gain / seconds
+            if rate > best_rate:
+                best_k, best_rate = k, rate
         return best_k
 
     def _round_seconds(self, ks: np.ndarray, sampled: bool) -> np.ndarray:

@@ -28,9 +28,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HUB_OFFLINE=1 \
     RAY_USAGE_STATS_ENABLED=0
 
-# bash: KubeRay's commands; wget: KubeRay's default health probes for older Ray versions.
+# bash: KubeRay's commands; wget: KubeRay's default health probes for older Ray versions; gcc and
+# libc6-dev: CPU workers build specdec's C kernels on first use (specdec.model.cpu_kernels).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv bash wget ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv bash wget ca-certificates gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv \

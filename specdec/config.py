@@ -66,6 +66,10 @@ class WorkerConfig:
     packed_weights: bool = setting(
         True, "on CPU, also keep a oneDNN-packed copy of every weight matrix for passes of several tokens "
               "(batches, verify passes, prompts): about 2x faster there, twice the weight memory")
+    cpu_kernels: bool = setting(
+        True, "on CPU (float32), run the small ops between the weight products (norms, rotary, KV writes, "
+              "attention over short contexts, SiLU) in specdec's C kernels, built on first use with the "
+              "system's C compiler (torch's ops where none is found)")
 
     role = "worker"  # names the fields in error messages
 
@@ -81,6 +85,8 @@ class WorkerConfig:
                f"{self.role}.kv_memory_fraction", "a number in (0, 1]", self.kv_memory_fraction)
         _check(isinstance(self.packed_weights, bool), f"{self.role}.packed_weights", "true or false",
                self.packed_weights)
+        _check(isinstance(self.cpu_kernels, bool), f"{self.role}.cpu_kernels", "true or false",
+               self.cpu_kernels)
 
     @property
     def resolved_dtype(self) -> str:

@@ -12,6 +12,10 @@ from specdec.model.linear import onednn_available
 
 from checkpoints import build_checkpoint
 
+# The C kernels (specdec.model.cpu_kernels) where they build, and torch's ops, as on a GPU or a
+# machine without a C compiler.
+BOTH_PATHS = pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch-ops"])
+
 
 def hf_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -19,8 +23,8 @@ def hf_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def check_ragged_prefill_decode_and_rollback(model_dir):
-    ours = load_model(model_dir)
+def check_ragged_prefill_decode_and_rollback(model_dir, cpu_kernels: bool = True):
+    ours = load_model(model_dir, cpu_kernels=cpu_kernels)
     vocab = ours.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (3, 60), generator=gen)
@@ -50,16 +54,17 @@ def check_ragged_prefill_decode_and_rollback(model_dir):
     cache.check_accounting()
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize("packed, threads", [(False, 1), (True, 1), (True, 2)])
-def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, packed, threads):
+def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, packed, threads, cpu_kernels):
     """Projections run through MKL ([in, out]) or oneDNN (packed) depending on rows and threads
     (specdec.model.linear): prefill, single-row decode steps and a batch of decode steps all agree
-    with Hugging Face on each path, biases (Qwen) included."""
+    with Hugging Face on each path, biases (Qwen) included, with the small ops in C or torch."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for model_dir in (gqa_target_dir, family_dir):
-            ours = load_model(model_dir, packed_weights=packed)
+            ours = load_model(model_dir, packed_weights=packed, cpu_kernels=cpu_kernels)
             expect_packed = packed and onednn_available(torch.device("cpu"), torch.float32)
             for projection in (ours.weights.lm_head, ours.weights.layers[0].qkv):
                 assert (projection.packed is not None) == expect_packed
@@ -82,12 +87,14 @@ def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, pac
         torch.set_num_threads(before)
 
 
-def test_ragged_prefill_decode_and_rollback(target_dir):
-    check_ragged_prefill_decode_and_rollback(target_dir)
+@BOTH_PATHS
+def test_ragged_prefill_decode_and_rollback(target_dir, cpu_kernels):
+    check_ragged_prefill_decode_and_rollback(target_dir, cpu_kernels)
 
 
-def test_ragged_parity_of_every_family(family_dir):
-    check_ragged_prefill_decode_and_rollback(family_dir)
+@BOTH_PATHS
+def test_ragged_parity_of_every_family(family_dir, cpu_kernels):
+    check_ragged_prefill_decode_and_rollback(family_dir, cpu_kernels)
 
 
 def test_family_switches_follow_the_checkpoint(family_dir):

@@ -43,15 +43,17 @@ def _checkpoint_fingerprint(spec: str | None) -> list:
 
 # Bump when a change to the model runtime changes what steps cost (e.g. the packed projections):
 # entries measured with the old code must not seed the policy of the new.
-RUNTIME_REVISION = 9
+RUNTIME_REVISION = 10
 
 
 def cost_cache_path(config: ServiceConfig, transport: str) -> Path:
     key = json.dumps([
         RUNTIME_REVISION,
         _checkpoint_fingerprint(config.target.model), _checkpoint_fingerprint(config.draft.model),
-        [config.target.device, config.target.resolved_dtype, config.target.num_threads, config.target.packed_weights],
-        [config.draft.device, config.draft.resolved_dtype, config.draft.num_threads, config.draft.packed_weights],
+        [config.target.device, config.target.resolved_dtype, config.target.num_threads, config.target.packed_weights,
+         config.target.cpu_kernels],
+        [config.draft.device, config.draft.resolved_dtype, config.draft.num_threads, config.draft.packed_weights,
+         config.draft.cpu_kernels],
         [config.scheduler.max_batch_size, config.scheduler.num_speculative_tokens, transport],
         [torch.__version__, torch.get_num_threads(), os.cpu_count(), platform.machine(), platform.processor()],
     ], default=str)

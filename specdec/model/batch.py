@@ -28,6 +28,7 @@ class ForwardBatch:
     kv_start: int | None
     token_index: torch.Tensor  # [B, Qmax] index into [T] (T = a zero padding row)
     token_rows: torch.Tensor  # [T] row of each token in the flattened padded [B * Qmax] layout
+    token_seqs: torch.Tensor  # [T] which sequence (row of kv_slots) each token belongs to
     query_positions: torch.Tensor  # [B, Qmax] absolute positions (0 for padding)
     logits_indices: torch.Tensor  # [M] which flat tokens need logits
     uniform_query_len: bool  # every sequence has the same number of new tokens (no padding)
@@ -51,7 +52,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     qmax = max(query_lens)
     total = sum(query_lens)
     input_ids, positions, slots, logits_indices = [], [], [], []
-    token_index, query_positions, token_rows = [], [], []
+    token_index, query_positions, token_rows, token_seqs = [], [], [], []
     for seq_id, toks, n_logits in zip(seq_ids, new_tokens, num_logits):
         offset, start, pad = len(input_ids), cache.length(seq_id), qmax - len(toks)
         slots += cache.append_slots(seq_id, len(toks))
@@ -62,6 +63,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         token_index.append(list(range(offset, offset + len(toks))) + [total] * pad)
         query_positions.append(positions[offset:] + [0] * pad)
         token_rows += range(len(token_index) * qmax - qmax, len(token_index) * qmax - pad)
+        token_seqs += [len(token_index) - 1] * len(toks)
 
     def tensor(values, dtype=torch.long):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -85,6 +87,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         kv_start=kv_start,
         token_index=tensor(token_index),
         token_rows=tensor(token_rows),
+        token_seqs=tensor(token_seqs),
         query_positions=tensor(query_positions),
         logits_indices=tensor(logits_indices),
         uniform_query_len=all(q == qmax for q in query_lens),

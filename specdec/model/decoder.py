@@ -6,7 +6,9 @@ milliseconds of Python on a CPU. This runtime keeps only what inference needs: f
 gate/up products against [in, out] weights, a precomputed rotary table applied to q and k at once,
 one attention mask per pass, K/V written straight into cache blocks, and logits computed only for
 the positions the caller asks for. Each eager op costs ~10-30 us of framework time on a small CPU,
-so op count matters as much as FLOPs for the draft model.
+so op count matters as much as FLOPs for the draft model: on CPU, passes of a few tokens (decode
+steps, verify passes) run the ops between the products in specdec's C kernels instead
+(model.kernel_forward), and this torch path serves prompts, GPUs and machines without a compiler.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from specdec.kv_cache import PagedKVCache
 from specdec.model.attention import attention_mask, paged_attention, write_kv
 from specdec.model.batch import ForwardBatch
 from specdec.model.config import ModelConfig
+from specdec.model.cpu_kernels import load_cpu_kernels
+from specdec.model.kernel_forward import kernel_forward, kernel_forward_fits
 from specdec.model.rope import RotaryTable
 from specdec.model.source import resolve_model_source
 from specdec.model.weights import ModelWeights, build_weights
@@ -50,11 +54,13 @@ def head_norm(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 class Model:
-    """A loaded checkpoint: its config, its fused weights and the rotary table, on one device."""
+    """A loaded checkpoint: its config, its fused weights and the rotary table, on one device;
+    `kernels`: specdec's C kernels (model.cpu_kernels) for a float32 CPU model, or None."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kernels=None):
         self.config = config
+        self.kernels = kernels
         self.weights = weights
         self.device = torch.device(device)
         self.dtype = dtype
@@ -77,6 +83,8 @@ class Model:
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run the new tokens of `batch` (already given slots in `cache`); return float32 logits
         [M, vocab] for batch.logits_indices."""
+        if self.kernels is not None and kernel_forward_fits(batch, self.rotary.cos.shape[0]):
+            return kernel_forward(self, batch, cache)
         c = self.config
         x = self.weights.embed.index_select(0, batch.input_ids)
         num_tokens = x.shape[0]
@@ -106,14 +114,17 @@ class Model:
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32",
-               packed_weights: bool = True) -> Model:
+               packed_weights: bool = True, cpu_kernels: bool = True) -> Model:
     """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
     `device` in `dtype`; a GGUF's quantized weights are dequantized to `dtype` as they load.
-    packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear)."""
+    packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear).
+    cpu_kernels: on CPU run the ops between the products in specdec's C kernels (model.cpu_kernels)
+    where they can be built."""
     torch_dtype = resolve_dtype(dtype)
     if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
         raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
     weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype, packed_weights)
-    return Model(config, weights, device, torch_dtype)
+    kernels = load_cpu_kernels() if cpu_kernels and torch.device(device).type == "cpu" else None
+    return Model(config, weights, device, torch_dtype, kernels)

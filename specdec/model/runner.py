@@ -50,7 +50,8 @@ class ModelRunner:
         threads) with its cache."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        return ModelRunner(load_model(spec, config.device, config.resolved_dtype, config.packed_weights), config)
+        return ModelRunner(load_model(spec, config.device, config.resolved_dtype, config.packed_weights,
+                                      config.cpu_kernels), config)
 
     @property
     def vocab_size(self) -> int:

@@ -222,7 +222,7 @@ class EngineSystem:
     """
 
     def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
-                 max_batch_size: int, adaptive: bool = True):
+                 max_batch_size: int, adaptive: bool = True, cpu_kernels: bool = True):
         from specdec.app.engine import LocalEngine
 
         self.key = key
@@ -230,7 +230,8 @@ class EngineSystem:
         self.k = k if draft is not None else None
         self.adaptive = adaptive if draft is not None else None
         self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
-                                  adaptive=adaptive, kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size)
+                                  adaptive=adaptive, kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size,
+                                  cpu_kernels=cpu_kernels)
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
             k: int | None = None, bar=None, prompt_set: str = "") -> RunResult:

@@ -3,7 +3,8 @@ of a real shape (SmolLM2-135M by default, random weights, built once and cached)
 
 Measures, all in the same process and run: the floor of a batch-1 decode step (weight bytes read per
 step / bandwidth of one large matrix-vector product, specdec.app.bench.floor); specdec's decode step
-at batch 1 and 8 (ratio to the floor beside it); plain `generate` ms/token of specdec and of Hugging
+at batch 1 and 8 (ratio to the floor beside it), and at batch 1 through torch's ops instead of its C
+kernels (specdec.model.cpu_kernels), for comparison; plain `generate` ms/token of specdec and of Hugging
 Face transformers at batch 1 and 8 (median of --runs runs); and the n-gram drafter vs plain
 decoding on a copy-heavy chat prompt ("rewrite this paragraph with one word changed").
 """
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per plain generate run (default 64)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size (default 20)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="run specdec with its C kernels (default; the batch-1 step is also timed through "
+                             "torch's ops beside them); --no-cpu-kernels: torch's ops throughout")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny shape, 1 run, 8 new tokens, 3 steps")
 
@@ -115,16 +119,21 @@ def run(args) -> int:
 
     # -- floor and decode steps ----------------------------------------------------------------
     log("timing decode steps against the matvec probe ...")
-    runner = ModelRunner.load(WorkerConfig(kv_cache_blocks=kv_blocks), target)
+    runner = ModelRunner.load(WorkerConfig(kv_cache_blocks=kv_blocks, cpu_kernels=args.cpu_kernels), target)
     probe = MatvecProbe()
     step = {b: time_decode_steps(runner, prompt, b, steps, probe) for b in (1, 8)}
+    kernels, torch_step = runner.model.kernels, None
+    if kernels is not None:  # the same weights and cache through torch's ops, for comparison
+        runner.model.kernels = None
+        torch_step = time_decode_steps(runner, prompt, 1, steps, probe)
+        runner.model.kernels = kernels
     config = runner.model.config
     del runner
 
     # -- plain generate: specdec vs Hugging Face -------------------------------------------------
     greedy = Mode("greedy", 0.0)
     log("plain generate: specdec and Hugging Face at batch 1 and 8 ...")
-    plain = EngineSystem("engine", target, None, k, kv_blocks, 8)
+    plain = EngineSystem("engine", target, None, k, kv_blocks, 8, cpu_kernels=args.cpu_kernels)
     hf = HFSystem("hf", target, None, k, model=load_hf(target))
     generate: dict = {}
     for batch in (1, 8):
@@ -134,7 +143,7 @@ def run(args) -> int:
 
     # -- n-gram drafter on the copy-heavy chat prompt ----------------------------------------------
     log("n-gram drafter vs plain on the copy prompt ...")
-    ngram = EngineSystem("spec-ngram", target, NGRAM, k, kv_blocks, 8)
+    ngram = EngineSystem("spec-ngram", target, NGRAM, k, kv_blocks, 8, cpu_kernels=args.cpu_kernels)
     measured = _side_by_side({"plain": plain, "ngram": ngram}, [prompt], 1, greedy, copy_tokens, runs)
     (plain_ms, plain_result), (ngram_ms, ngram_result) = measured["plain"], measured["ngram"]
     same = plain_result.outputs == ngram_result.outputs
@@ -154,6 +163,11 @@ def run(args) -> int:
     print(f"decode step, context {s1.context_len} tokens, median of {steps}: batch 1 {s1.step_s * 1e3:.1f} ms "
           f"= {s1.over_floor:.2f}x floor (min {s1.min_step_s * 1e3:.1f} ms); batch 8 {s8.step_s * 1e3:.1f} ms "
           f"({s8.step_s / 8 * 1e3:.1f} ms/token) = {s8.over_floor:.2f}x floor")
+    if torch_step is not None:
+        print(f"  batch 1 through torch's ops instead of the C kernels: {torch_step.step_s * 1e3:.1f} ms = "
+              f"{torch_step.over_floor:.2f}x floor; the C kernels take {s1.step_s / torch_step.step_s:.2f}x its time")
+    else:
+        print(f"  C kernels: {'off (--no-cpu-kernels)' if not args.cpu_kernels else 'unavailable (see the warning)'}")
     print(f"plain generate, {max_new} new tokens, median of {runs} (ms/token):")
     for batch, g in generate.items():
         print(f"  batch {batch}: specdec {g['specdec_ms_per_token']:.1f}, HF {g['hf_ms_per_token']:.1f} "
@@ -172,6 +186,9 @@ def run(args) -> int:
             "weight_bytes": s1.weight_bytes, "matvec_bandwidth_bytes_per_s": s1.bandwidth, "floor_ms": s1.floor_s * 1e3,
             "step": {str(b): {"step_ms": t.step_s * 1e3, "min_step_ms": t.min_step_s * 1e3,
                               "over_floor": t.over_floor, "floor_ms": t.floor_s * 1e3} for b, t in step.items()},
+            "cpu_kernels": kernels is not None,
+            "torch_ops_step_1": None if torch_step is None else {"step_ms": torch_step.step_s * 1e3,
+                                                                 "over_floor": torch_step.over_floor},
             "generate": {str(b): g for b, g in generate.items()},
             "ngram_copy": {"plain_ms_per_token": plain_ms, "ngram_ms_per_token": ngram_ms,
                            "speedup": plain_ms / ngram_ms, "acceptance_rate": ngram_result.acceptance_rate,

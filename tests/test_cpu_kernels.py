@@ -1,0 +1,202 @@
+"""specdec's C kernels (specdec.model.cpu_kernels): each one agrees with the torch ops it replaces,
+a whole pass through them agrees with the torch pass and with Hugging Face for every family and
+both attention routes, and a machine without a compiler runs torch's ops after one warning."""
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model_parity import check_ragged_prefill_decode_and_rollback, hf_logits
+
+import specdec.model.kernel_forward as kernel_forward
+from specdec.config import ConfigError, WorkerConfig
+from specdec.model import cpu_kernels as kernels_module
+from specdec.model import load_model
+from specdec.model.batch import prepare_forward
+from specdec.model.decoder import head_norm, rms_norm
+from specdec.model.rope import RotaryTable
+
+from checkpoints import build_checkpoint
+
+lib = kernels_module.load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(lib is None, reason="no C compiler on this machine")
+
+
+def ptr(t: torch.Tensor):
+    assert t.is_contiguous() and t.dtype in (torch.float32, torch.int64)
+    return t.data_ptr()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, dim", [(1, 576), (5, 64), (3, 37)])
+def test_add_rms_norm_matches_torch_with_and_without_a_residual(rows, dim):
+    gen = torch.Generator().manual_seed(rows)
+    x, delta = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    weight = torch.rand(dim, generator=gen)
+    out = torch.empty_like(x)
+    first = x.clone()
+    lib.add_rms_norm(ptr(first), None, ptr(weight), ptr(out), rows, dim, 1e-5)
+    torch.testing.assert_close(out, rms_norm(x, weight, 1e-5), atol=1e-6, rtol=1e-5)
+    lib.add_rms_norm(ptr(first), ptr(delta), ptr(weight), ptr(out), rows, dim, 1e-5)
+    torch.testing.assert_close(first, x + delta)  # the residual stream is updated in place
+    torch.testing.assert_close(out, rms_norm(x + delta, weight, 1e-5), atol=1e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_silu_mul_matches_torch():
+    gate_up = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(0)) * 6
+    out = torch.empty(3, 100)
+    lib.silu_mul(ptr(gate_up), ptr(out), 3, 100)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_head_norm", [False, True])
+def test_rope_store_kv_rotates_q_and_k_and_writes_the_cache(with_head_norm):
+    heads, kv_heads, dim, tokens = 6, 2, 24, 3
+    gen = torch.Generator().manual_seed(1)
+    rotary = RotaryTable(dim, 64, 10000.0, None, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions, slots = torch.tensor([0, 17, 63]), torch.tensor([9, 2, 30])
+    norm = torch.rand(heads + kv_heads, dim, generator=gen) if with_head_norm else None
+    k_cache, v_cache = torch.zeros(32, kv_heads, dim), torch.zeros(32, kv_heads, dim)
+    expected = qkv.clone()
+    lib.rope_store_kv(ptr(qkv), tokens, heads, kv_heads, dim, ptr(positions), ptr(rotary.cos), ptr(rotary.sin),
+                      None if norm is None else ptr(norm), 1e-6, ptr(slots), ptr(k_cache), ptr(v_cache))
+    qk = expected[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    if norm is not None:
+        qk = head_norm(qk, norm, 1e-6)
+    qk = RotaryTable.apply(qk, *rotary.lookup(positions))
+    torch.testing.assert_close(qkv[:, :(heads + kv_heads) * dim], qk.reshape(tokens, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache[slots], qk[:, heads:])
+    torch.testing.assert_close(v_cache[slots], expected[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_cache[untouched].abs().sum() == 0 and v_cache[untouched].abs().sum() == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 128), (7, 1, 24), (4, 2, 72)])
+def test_attend_matches_causal_sdpa_over_scattered_slots(heads, kv_heads, dim):
+    """Two sequences in scattered cache rows, one with three new tokens (causal among them), one with
+    one; head sizes on the vector path (64, 128), off it (24) and both (72); every group size."""
+    gen = torch.Generator().manual_seed(dim)
+    new = [3, 1]  # new tokens of the two sequences (context 40 and 13)
+    rows = torch.randperm(80, generator=gen)
+    kv_slots = torch.stack([rows[:40], torch.cat([rows[40:53], rows[:27]])])  # [B, 40], tail padding
+    k_cache, v_cache = torch.randn(80, kv_heads, dim, generator=gen), torch.randn(80, kv_heads, dim, generator=gen)
+    qkv = torch.randn(sum(new), (heads + 2 * kv_heads) * dim, generator=gen)
+    token_seqs, positions = torch.tensor([0, 0, 0, 1]), torch.tensor([37, 38, 39, 12])
+    out = torch.empty(sum(new), heads * dim)
+    scores = torch.empty(heads // kv_heads * 40)
+    lib.attend(ptr(qkv), sum(new), heads, kv_heads, dim, ptr(token_seqs), ptr(positions), ptr(kv_slots), 40,
+               ptr(k_cache), ptr(v_cache), dim ** -0.5, ptr(out), ptr(scores))
+    for t in range(sum(new)):
+        seq, length = int(token_seqs[t]), int(positions[t]) + 1
+        keys, values = k_cache[kv_slots[seq, :length]], v_cache[kv_slots[seq, :length]]  # [L, Hkv, D]
+        q = qkv[t, :heads * dim].view(heads, 1, dim)
+        expected = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1), enable_gqa=True)
+        torch.testing.assert_close(out[t], expected.reshape(-1), atol=1e-5, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("attention", ["in C", "torch's"])
+def test_kernel_pass_agrees_with_hugging_face_for_every_family(family_dir, monkeypatch, attention):
+    """Ragged prefill, verify-shaped passes, decode and rollback, each family's quirks (biases,
+    per-head norms, head_dim != hidden / heads), with attention in C or through torch's route."""
+    monkeypatch.setattr(kernel_forward, "MAX_ATTENTION_PAIRS", 10**9 if attention == "in C" else 0)
+    check_ragged_prefill_decode_and_rollback(family_dir)
+
+
+@needs_kernels
+def test_kernel_pass_equals_the_torch_pass_on_a_64_wide_head_model(tmp_path):
+    """head_dim 64 takes the vector paths of attention; logits of decode and verify passes over
+    non-consecutive blocks agree with the torch pass and Hugging Face."""
+    model_dir = build_checkpoint(tmp_path / "wide", vocab_size=300, hidden_size=192, intermediate_size=256,
+                                 num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1)
+    fused, plain = load_model(model_dir), load_model(model_dir, cpu_kernels=False)
+    assert fused.kernels is not None and plain.kernels is None
+    prompts = [list(range(5, 45)), list(range(50, 71))]
+    caches = [model.new_kv_cache(num_blocks=32, block_size=4) for model in (fused, plain)]
+    for model, cache in zip((fused, plain), caches):
+        for i in range(len(prompts)):
+            cache.add_sequence(str(i))
+        for start in range(0, 40, 4):  # 4 tokens a pass: the two sequences' blocks alternate
+            ids = [str(i) for i, p in enumerate(prompts) if start < len(p)]
+            model.forward(prepare_forward(cache, ids, [prompts[int(i)][start:start + 4] for i in ids],
+                                          [1] * len(ids)), cache)
+    table = caches[0].block_table("0")
+    assert table != list(range(table[0], table[0] + len(table)))
+    verify = [[7, 8, 9, 10, 11, 12], [3]]
+    logits = [m.forward(prepare_forward(c, ["0", "1"], verify, [6, 1]), c) for m, c in zip((fused, plain), caches)]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    reference = hf_logits(model_dir, torch.tensor([prompts[0] + verify[0]]))[0, -6:]
+    torch.testing.assert_close(logits[0][:6], reference, atol=2e-4, rtol=1e-4)
+
+
+def test_prompts_and_positions_past_the_rotary_table_take_the_torch_path(gqa_target_dir):
+    model = load_model(gqa_target_dir)
+    cache = model.new_kv_cache(num_blocks=40, block_size=8)
+    cache.add_sequence("a")
+    batch = prepare_forward(cache, ["a"], [list(range(kernel_forward.MAX_TOKENS + 1))], [1])
+    assert not kernel_forward.kernel_forward_fits(batch, model.rotary.cos.shape[0])
+    decode = prepare_forward(cache, ["a"], [[3]], [1])
+    assert kernel_forward.kernel_forward_fits(decode, model.rotary.cos.shape[0])
+    past_the_table = dataclasses.replace(decode, context_len=model.rotary.cos.shape[0] + 1)
+    assert not kernel_forward.kernel_forward_fits(past_the_table, model.rotary.cos.shape[0])
+
+
+def test_the_setting_turns_the_kernels_off_and_is_checked(gqa_target_dir):
+    assert load_model(gqa_target_dir, cpu_kernels=False).kernels is None
+    assert WorkerConfig().cpu_kernels is True
+    with pytest.raises(ConfigError, match="worker.cpu_kernels must be true or false"):
+        WorkerConfig(cpu_kernels="yes")
+
+
+@pytest.fixture
+def fresh_kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_KERNEL_CACHE", str(tmp_path / "kernels"))
+    kernels_module.load_cpu_kernels.cache_clear()
+    yield tmp_path / "kernels"
+    kernels_module.load_cpu_kernels.cache_clear()
+
+
+def test_without_a_compiler_models_run_torch_ops_after_one_warning(fresh_kernel_cache, monkeypatch, caplog,
+                                                                    gqa_target_dir):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger=kernels_module.__name__):
+        assert kernels_module.load_cpu_kernels() is None
+        model = load_model(gqa_target_dir)
+    assert model.kernels is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "running torch's ops instead" in warnings[0]
+    cache = model.new_kv_cache(num_blocks=8, block_size=8)
+    cache.add_sequence("a")
+    assert model.forward(prepare_forward(cache, ["a"], [[1, 2, 3]], [1]), cache).shape == (1, 300)
+
+
+@needs_kernels
+def test_the_library_is_built_once_then_loaded_from_the_cache(fresh_kernel_cache, monkeypatch):
+    built = kernels_module._build("cc")
+    assert built.parent == fresh_kernel_cache and built.exists()
+    assert list(fresh_kernel_cache.iterdir()) == [built]  # no temporary files left behind
+
+    def no_compiling(args, **kwargs):
+        assert args[-1] == "--version", f"compiled again: {args}"
+        return real_run(args, **kwargs)
+
+    real_run = kernels_module.subprocess.run
+    monkeypatch.setattr(kernels_module.subprocess, "run", no_compiling)
+    assert kernels_module._build("cc") == built
+    assert kernels_module.load_cpu_kernels() is not None
+
+
+def test_a_failing_build_is_reported_with_the_compiler_output(fresh_kernel_cache, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(kernels_module, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="failed: .*error"):
+        kernels_module._build("cc")
+    assert not any(fresh_kernel_cache.glob("*.so"))

@@ -193,3 +193,28 @@ def test_lone_sequence_in_consecutive_blocks_is_read_without_a_gather(gqa_target
     assert torch.equal(viewed, gathered)
     torch.testing.assert_close(viewed[0], hf_logits(gqa_target_dir, torch.tensor([prompt + [5]]))[0, -1],
                                atol=2e-4, rtol=1e-4)
+
+
+def test_one_row_goes_through_onednn_only_for_matrices_large_enough(monkeypatch):
+    """oneDNN's ~23 us a call loses to MKL's product for one row of a small matrix
+    (specdec.model.linear); several rows, or a large matrix on several threads, take oneDNN."""
+    from specdec.model.linear import ONEDNN_SINGLE_ROW_MIN_BYTES, Projection
+
+    small = Projection(torch.randn(64, 128), packed=True)
+    large = Projection(torch.randn(1024, ONEDNN_SINGLE_ROW_MIN_BYTES // 4096 + 1), packed=True)
+    if small.packed is None:
+        pytest.skip("this torch cannot pack weights for oneDNN")
+    assert not small.single_row_packed and large.single_row_packed
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or real(*args))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for projection, rows, onednn in ((small, 1, False), (small, 6, True), (large, 1, True), (large, 6, True)):
+            x = torch.randn(rows, projection.in_features)
+            calls.clear()
+            torch.testing.assert_close(projection(x), x @ projection.weight, atol=1e-4, rtol=1e-4)
+            assert bool(calls) == onednn, (projection.weight.shape, rows)
+    finally:
+        torch.set_num_threads(before)

@@ -43,7 +43,7 @@ def _checkpoint_fingerprint(spec: str | None) -> list:
 
 # Bump when a change to the model runtime changes what steps cost (e.g. the packed projections):
 # entries measured with the old code must not seed the policy of the new.
-RUNTIME_REVISION = 10
+RUNTIME_REVISION = 11
 
 
 def cost_cache_path(config: ServiceConfig, transport: str) -> Path:

@@ -8,13 +8,19 @@ the 2-core dev CPU a SmolLM2-sized [576 x 3072] product with 8 rows streams 6 GB
 12 GB/s through oneDNN's linear kernel against a weight packed for it, and the [576 x 49152] LM
 head 4.5 against 13.7 GB/s. So on CPU a projection may also keep a oneDNN-packed copy (twice the
 weight memory; `packed_weights` turns it off), used for products of more than one row, and for
-single rows too when torch runs several threads: oneDNN splits a one-row product over threads
-better than MKL does (a SmolLM2-135M-shaped batch-1 step, 2 threads: 36 ms against 41 ms through
-MKL; with 1 thread MKL's [in, out] path is the faster, 48 ms against 60 ms).
+single rows too when torch runs several threads and the matrix is large: oneDNN splits a one-row
+product over threads better than MKL does (a SmolLM2-135M-shaped batch-1 step, 2 threads: 36 ms
+against 41 ms through MKL; with 1 thread MKL's [in, out] path is the faster, 48 ms against 60 ms),
+but spends ~23 us a call before streaming anything (timed on a 16 x 16 product, MKL: 2 us), so for
+matrices under ONEDNN_SINGLE_ROW_MIN_BYTES MKL's one-row product takes about half its time (2
+threads: 384 x 640, 26 against 51 us; 256 x 256, 13.5 against 46.5 us; from 1.3 MB up oneDNN is
+as fast or faster, 576 x 576: 51 against 67 us).
 """
 from __future__ import annotations
 
 import torch
+
+ONEDNN_SINGLE_ROW_MIN_BYTES = 1 << 20  # smaller matrices take MKL's product for one row (docstring)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -43,6 +49,9 @@ class Projection:
         self.weight = weight  # [in, out]
         self.bias = bias
         self.packed = _pack(weight) if packed else None
+        # One row goes through the packed copy only where streaming, not the call, dominates.
+        self.single_row_packed = (self.packed is not None
+                                  and weight.numel() * weight.element_size() >= ONEDNN_SINGLE_ROW_MIN_BYTES)
 
     @property
     def in_features(self) -> int:
@@ -54,6 +63,6 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]."""
-        if self.packed is not None and (x.shape[0] > 1 or torch.get_num_threads() > 1):
+        if self.packed is not None and (x.shape[0] > 1 or (self.single_row_packed and torch.get_num_threads() > 1)):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting."""
+
+
+def cache_dir() -> Path:
+    """Where specdec keeps what it measures or builds once per machine (round costs, compiled
+    kernels): $SPECDEC_CACHE_DIR, default ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
 
 
 def setting(default, help: str):

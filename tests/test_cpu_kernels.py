@@ -157,7 +157,7 @@ def test_the_setting_turns_the_kernels_off_and_is_checked(gqa_target_dir):
 
 @pytest.fixture
 def fresh_kernel_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     kernels_module.load_cpu_kernels.cache_clear()
     yield tmp_path / "kernels"
     kernels_module.load_cpu_kernels.cache_clear()

@@ -20,14 +20,10 @@ from pathlib import Path
 import torch
 
 from coordinator.round_costs import RoundCosts
-from specdec.config import NGRAM, ServiceConfig
+from specdec.config import NGRAM, ServiceConfig, cache_dir
 from specdec.model.source import resolve_model_source
 
 log = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
 
 
 def _checkpoint_fingerprint(spec: str | None) -> list:

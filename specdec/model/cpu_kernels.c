@@ -18,6 +18,14 @@ positions inside the rotary table and slots inside the cache.
 #include <immintrin.h>
 #endif
 
+/* 1 / sqrt(mean(x^2) + eps) over dim floats: the scale of an RMSNorm. */
+static inline float inverse_rms(const float *x, int64_t dim, float eps) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < dim; i++) squares += x[i] * x[i];
+    return 1.0f / sqrtf(squares / (float)dim + eps);
+}
+
 /* x [rows, dim] += delta [rows, dim] (skipped when delta is NULL: the first layer), then
    out [rows, dim] = weight [dim] * x / sqrt(mean(x^2) + eps), as Llama's RMSNorm computes it. */
 void add_rms_norm(float *x, const float *delta, const float *weight, float *out,
@@ -29,10 +37,7 @@ void add_rms_norm(float *x, const float *delta, const float *weight, float *out,
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) xr[i] += d[i];
         }
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < dim; i++) squares += xr[i] * xr[i];
-        const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
+        const float inv_rms = inverse_rms(xr, dim, eps);
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (xr[i] * inv_rms);
     }
@@ -62,10 +67,7 @@ void rope_store_kv(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, 
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             float *v = row + h * dim;
             if (head_norm) {
-                float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-                for (int64_t i = 0; i < dim; i++) squares += v[i] * v[i];
-                const float inv_rms = 1.0f / sqrtf(squares / (float)dim + eps);
+                const float inv_rms = inverse_rms(v, dim, eps);
                 const float *w = head_norm + h * dim;
 #pragma omp simd
                 for (int64_t i = 0; i < dim; i++) v[i] = (v[i] * inv_rms) * w[i];

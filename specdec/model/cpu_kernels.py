@@ -3,7 +3,8 @@
 The library is compiled on first use with the system's C compiler ($CC, else cc) for this CPU
 (-march=native) and loaded with ctypes: the C file needs only libc and libm and compiles in well
 under a second, where a torch C++ extension would take a minute of header parsing on every fresh
-machine. It is kept in ~/.cache/specdec/kernels ($SPECDEC_KERNEL_CACHE) under a name that hashes
+machine. It is kept in specdec's cache ($SPECDEC_CACHE_DIR/kernels, default ~/.cache/specdec/kernels)
+under a name that hashes
 the source, the flags, the compiler's version and the CPU's model and feature flags, so a cache
 shared between machines never loads code built for another CPU; it is written to a temporary
 file and renamed, so workers compiling at once never load a half-written library. Without a
@@ -21,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from specdec.config import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -32,10 +35,6 @@ SIGNATURES = {  # argument types of each C function, in cpu_kernels.c's order
     "rope_store_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P],
     "attend": [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P, _P],
 }
-
-
-def kernel_cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_KERNEL_CACHE", Path.home() / ".cache" / "specdec" / "kernels"))
 
 
 def _cpu_identity() -> str:
@@ -53,7 +52,7 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
-    library = kernel_cache_dir() / f"cpu_kernels-{key}.so"
+    library = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)

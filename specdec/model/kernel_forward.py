@@ -43,10 +43,10 @@ def kernel_forward(model, batch: ForwardBatch, cache: PagedKVCache) -> torch.Ten
     heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     x = w.embed.index_select(0, batch.input_ids)  # [T, hidden] the residual stream (a fresh copy)
     h = torch.empty_like(x)  # [T, hidden] each norm's output
-    attn = x.new_empty(tokens, heads * dim)  # [T, H * D]
     act = x.new_empty(tokens, c.intermediate_size)  # [T, I] silu(gate) * up
     c_attention = tokens * batch.context_len <= MAX_ATTENTION_PAIRS
-    scores = x.new_empty(heads // kv_heads * batch.context_len) if c_attention else None  # C's scratch
+    if c_attention:  # C writes attention into attn [T, H * D], with scores as its scratch
+        attn, scores = x.new_empty(tokens, heads * dim), x.new_empty(heads // kv_heads * batch.context_len)
     mask = None if c_attention else attention_mask(batch)
     positions, slots = batch.positions.data_ptr(), batch.slots.data_ptr()
     token_seqs, kv_slots = batch.token_seqs.data_ptr(), batch.kv_slots.data_ptr()

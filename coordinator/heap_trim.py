@@ -3,10 +3,13 @@
 glibc's malloc keeps what a thread frees in that thread's arena, and after a large buffer is freed
 it raises its mmap threshold so the next ones come from the arenas too: a server that receives
 multi-MB requests on several threads (gRPC's pollers, the event loop, the tokenizer thread) ends
-up holding tens to hundreds of MB it no longer uses. After a large request, HeapTrimmer runs
-malloc_trim(0) once, off the event loop, which returns free arena pages: `delay_s` after the last
-large request of a burst (its buffers are freed by then), and at least every `max_wait_s` while
-large requests keep coming. Without glibc (musl, macOS) it does nothing.
+up holding tens of MB it no longer uses. After a large request, HeapTrimmer runs malloc_trim(0)
+once, off the event loop, which returns free arena pages: `delay_s` after the last large request of
+a burst dropped its copies, and at least every `max_wait_s` while large requests keep coming. It is
+told by the RequestGate (coordinator.request_gate) when a request's bytes leave the bytes in flight,
+which both transports report once its prompt is tokenized or refused: its buffers are free then,
+whenever that is (a trim timed from the request's arrival could run before a slow refusal freed
+them, and none would follow). Without glibc (musl, macOS) it does nothing.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class HeapTrimmer:
         self._loop = loop
 
     def after_request(self, size: int) -> None:
-        """A request of `size` bytes was received; call on the event loop."""
+        """A request of `size` bytes has dropped its copies; call on the event loop."""
         if size < LARGE_BYTES or self._trim is None or self._loop is None:
             return
         now = self._loop.time()

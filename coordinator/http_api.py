@@ -7,8 +7,10 @@ Server-Sent Events with `"stream": true`, else one JSON body), GET /health, GET 
 the bearer token when one is configured (everything but /health needs it), 404 for an unknown
 model or path, 413 for a body over --max-request-bytes (refused on its Content-Length, else as
 soon as the bytes read pass the limit), 429 when --max-waiting-requests requests already wait to
-start, 503 while the model loads or the server drains. Prompts are tokenized on the tokenizer
-thread (coordinator.tokenizer_pool). Request shapes and defaults: coordinator.openai_requests.
+start or the body finds no room within --max-request-bytes-in-flight (coordinator.request_gate:
+the body is read only once it has room), 503 while the model loads or the server drains. Prompts
+are tokenized on the tokenizer thread (coordinator.tokenizer_pool). Request shapes and defaults:
+coordinator.openai_requests.
 
 A streamed request's status is decided before its first byte: the handler waits for the first
 round's tokens, so a request the scheduler refuses (context length, KV blocks) still gets a 400.
@@ -24,7 +26,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import PurePath
 
 from fastapi import FastAPI, Request
@@ -35,7 +37,7 @@ from coordinator.openai_errors import OpenAIError, invalid
 from coordinator.openai_requests import ChatCompletionRequest, CompletionRequest, build_request, parse
 from coordinator.openai_responses import ResponseShape, usage
 from coordinator.prometheus_metrics import CONTENT_TYPE, PrometheusMetrics
-from coordinator.request_gate import QueueFull, RequestGate
+from coordinator.request_gate import QueueFull, RequestBytes, RequestGate
 from coordinator.request_limits import RequestLimits
 from coordinator.request_stream import RequestFailed, stream_request
 from coordinator.scheduler_thread import SchedulerThread
@@ -52,6 +54,10 @@ def sse(payload: dict | str) -> bytes:
     """One Server-Sent Event: `data: <json>` and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+def overloaded(error: QueueFull) -> OpenAIError:
+    return OpenAIError(429, str(error), code="rate_limit_exceeded", error_type="rate_limit_error")
 
 
 def failure_error(failure: RequestFailed) -> OpenAIError:
@@ -83,10 +89,9 @@ class HttpApi:
 
     def __init__(self, scheduler: SchedulerThread, tokenizers: TokenizerPool, limits: RequestLimits,
                  gate: RequestGate, metrics: PrometheusMetrics, auth_token: str | None = None,
-                 warnings: Sequence[str] = (), on_size: Callable[[int], None] | None = None):
+                 warnings: Sequence[str] = ()):
         self.scheduler, self.tokenizers, self.gate, self.metrics = scheduler, tokenizers, gate, metrics
         self.limits = limits
-        self.on_size = on_size  # told every request body's size (coordinator.heap_trim)
         self.warnings = list(warnings)  # unsafe exposure (ServerConfig.exposure_warnings), shown on /health
         self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
         self._ids = itertools.count()
@@ -152,19 +157,25 @@ class HttpApi:
             raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {model!r}", "model",
                               "model_not_found")
 
-    async def _json(self, request: Request):
-        """The decoded JSON body; 413 as soon as it is known to be over max_request_bytes."""
+    def _body_size(self, request: Request) -> int:
+        """The most the body may take: its Content-Length (413 over max_request_bytes) or, without
+        one, max_request_bytes."""
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise OpenAIError(413, self.limits.too_large(int(declared)), code="request_too_large")
+        return int(declared) if declared.isdigit() else limit
+
+    async def _json(self, request: Request, room: RequestBytes):
+        """The decoded JSON body, read within its `room` among the request bytes in flight; 413 as
+        soon as it is known to be over max_request_bytes."""
+        limit = self.limits.max_request_bytes
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
                 raise OpenAIError(413, self.limits.too_large(len(body)) + " (or more)", code="request_too_large")
-        if self.on_size is not None:
-            self.on_size(len(body))
+        room.shrink(len(body))
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
@@ -209,16 +220,24 @@ class HttpApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         self._authorize(request)
         self._check_serving()
-        parsed = parse(ChatCompletionRequest if chat else CompletionRequest, await self._json(request))
-        self._check_model(parsed.model)
+        size = self._body_size(request)
         try:
             waiting = self.gate.wait_slot()
         except QueueFull as e:
-            raise OpenAIError(429, str(e), code="rate_limit_exceeded", error_type="rate_limit_error") from None
+            raise overloaded(e) from None
         try:
-            req = await self._unless_disconnected(request, build_request(
-                parsed, self.tokenizers, self.limits, f"http-{self._prefix}-{next(self._ids)}",
-                self.scheduler.max_seq_len))
+            try:
+                room = await self.gate.take_bytes(size)
+            except QueueFull as e:
+                raise overloaded(e) from None
+            try:
+                parsed = parse(ChatCompletionRequest if chat else CompletionRequest, await self._json(request, room))
+                self._check_model(parsed.model)
+                req = await self._unless_disconnected(request, build_request(
+                    parsed, self.tokenizers, self.limits, f"http-{self._prefix}-{next(self._ids)}",
+                    self.scheduler.max_seq_len))
+            finally:
+                room.release()  # the body and its JSON are dropped; the prompt's text stays only if it fit
         except BaseException:
             waiting.release()
             raise

@@ -5,12 +5,15 @@ servicer is registered here with a deserializer that never raises: bytes that ar
 GenerateRequest (corrupt protobuf, invalid UTF-8 in a string field) decode to a MalformedRequest,
 which the servicer answers with INVALID_ARGUMENT and the reason. Requests larger than
 ServerConfig.max_request_bytes never get here: the gRPC server's receive limit refuses them with
-RESOURCE_EXHAUSTED before reading them whole; a large one that passes is reported to the
-server's HeapTrimmer, so that its buffers go back to the operating system.
+RESOURCE_EXHAUSTED before reading them whole.
+
+Generate is registered as a stream of requests, though it takes one: gRPC reads a unary request
+before the handler runs, so nothing could bound the requests read at once. As a stream, the
+servicer reads the message itself, once the request has its waiting slot and room among the
+request bytes in flight (coordinator.request_gate); each decoded message comes with its size.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +31,14 @@ class MalformedRequest:
     reason: str
 
 
+@dataclass(frozen=True)
+class ReceivedRequest:
+    """A request message as the servicer reads it: decoded, and its size on the wire in bytes."""
+
+    message: generation_pb2.GenerateRequest | MalformedRequest
+    size: int
+
+
 def decode_generate_request(data: bytes) -> generation_pb2.GenerateRequest | MalformedRequest:
     try:
         return generation_pb2.GenerateRequest.FromString(data)
@@ -39,17 +50,15 @@ def decode_generate_request(data: bytes) -> generation_pb2.GenerateRequest | Mal
         return MalformedRequest(f"the request is not a specdec.v1.GenerateRequest protobuf message: {detail}")
 
 
-def add_generation_servicer(servicer, server: grpc.aio.Server, on_size: Callable[[int], None] | None = None) -> None:
-    """generation_pb2_grpc.add_GenerationServicer_to_server, with decode_generate_request;
-    `on_size(bytes)` is told every request's size (on the event loop)."""
+def receive_generate_request(data: bytes) -> ReceivedRequest:
+    return ReceivedRequest(decode_generate_request(data), len(data))
 
-    def decode(data: bytes):
-        if on_size is not None:
-            on_size(len(data))
-        return decode_generate_request(data)
 
-    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
-        servicer.Generate, request_deserializer=decode,
+def add_generation_servicer(servicer, server: grpc.aio.Server) -> None:
+    """Register `servicer.Generate(requests, context)`: a response stream for a request stream of
+    ReceivedRequest (the client sends one GenerateRequest, as for any unary request)."""
+    handlers = {"Generate": grpc.stream_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=receive_generate_request,
         response_serializer=generation_pb2.GenerateResponse.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

@@ -1,7 +1,8 @@
 """Limits on what one public request may ask for, checked before any work proportional to its size.
 
 The request's size itself is capped by the transports (ServerConfig.max_request_bytes: the gRPC
-server's receive limit, the HTTP body limit in coordinator.http_api); the prompt is bounded by the
+server's receive limit, the HTTP body limit in coordinator.http_api), and the bytes of all requests
+read at once by the RequestGate (max_request_bytes_in_flight); the prompt is bounded by the
 context (specdec.bounded_tokenize); what remains is checked here: the number and length of stop
 strings, which the scheduler's thread would otherwise scan after every committed token
 (coordinator.text_stream). Each message names the limit and the flag that raises it.

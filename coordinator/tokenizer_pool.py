@@ -5,8 +5,10 @@ event loop that time would stall every other stream. They run here instead, on O
 the server's own tokenizer instance: Hugging Face fast tokenizers are not safe to share between
 threads, and one thread keeps their use serial. The queue in front of it is bounded by
 ServerConfig.max_waiting_requests (a request takes its waiting slot, coordinator.request_gate,
-before it is tokenized) and each job by the context (specdec.bounded_tokenize), so no request can
-hold the thread for more than about one context's worth of tokenizing. A request whose client
+before it is tokenized), the prompt texts queued in it by max_request_bytes_in_flight (a request's
+bytes stay in flight until it is tokenized), and each job by the context
+(specdec.bounded_tokenize), so no request can hold the thread for more than about one context's
+worth of tokenizing. A request whose client
 leaves while it is queued here is cancelled before it runs.
 """
 from __future__ import annotations

@@ -33,8 +33,8 @@ class ConfigError(ValueError):
 
 
 def cache_dir() -> Path:
-    """Where specdec keeps what it measures or builds once per machine (round costs, compiled
-    kernels): $SPECDEC_CACHE_DIR, default ~/.cache/specdec."""
+    """Where specdec keeps what it builds once per machine (compiled kernels, benchmark models):
+    $SPECDEC_CACHE_DIR, default ~/.cache/specdec."""
     return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
 
 
@@ -71,12 +71,13 @@ class WorkerConfig:
              "the weights that the KV cache takes (like other servers' GPU memory utilisation); on CPU the "
              "fixed default size applies")
     packed_weights: bool = setting(
-        True, "on CPU, also keep a oneDNN-packed copy of every weight matrix for passes of several tokens "
-              "(batches, verify passes, prompts): about 2x faster there, twice the weight memory")
+        True, "on CPU without specdec's C kernels (cpu_kernels off or no compiler), also keep a oneDNN-packed "
+              "copy of every weight matrix for passes of several tokens: about 2x faster there, twice the "
+              "weight memory")
     cpu_kernels: bool = setting(
-        True, "on CPU (float32), run the small ops between the weight products (norms, rotary, KV writes, "
-              "attention over short contexts, SiLU) in specdec's C kernels, built on first use with the "
-              "system's C compiler (torch's ops where none is found)")
+        True, "on CPU (float32), run every forward pass in specdec's C kernels, built on first use with the "
+              "system's C compiler: faster for small models, and batch-invariant (a token's logits do not "
+              "depend on how it was scheduled); torch's ops where no compiler is found")
 
     role = "worker"  # names the fields in error messages
 
@@ -209,6 +210,10 @@ class ServerConfig:
     max_waiting_requests: int = setting(1024, "requests admitted but not yet started (queued, or being "
                                               "tokenized) beyond which new ones are refused "
                                               "(RESOURCE_EXHAUSTED / HTTP 429)")
+    max_request_bytes_in_flight: int = setting(
+        32 << 20, "request bytes being read, parsed or tokenized at once, across both APIs (a request not yet "
+                  "read counts as max_request_bytes, or its Content-Length); past it requests wait briefly, "
+                  "then RESOURCE_EXHAUSTED / HTTP 429")
 
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536, "server.port", "a port number", self.port)
@@ -218,8 +223,12 @@ class ServerConfig:
                "given together with tls_cert", self.tls_key)
         _check(self.grace_period >= 0, "server.grace_period", "a number of seconds >= 0", self.grace_period)
         _positive("server.max_concurrent_rpcs", self.max_concurrent_rpcs, optional=True)
-        for name in ("max_request_bytes", "max_stop_strings", "max_stop_string_length", "max_waiting_requests"):
+        for name in ("max_request_bytes", "max_stop_strings", "max_stop_string_length", "max_waiting_requests",
+                     "max_request_bytes_in_flight"):
             _positive(f"server.{name}", getattr(self, name))
+        _check(self.max_request_bytes_in_flight >= self.max_request_bytes, "server.max_request_bytes_in_flight",
+               f"at least max_request_bytes ({self.max_request_bytes}), or no request of that size is ever read",
+               self.max_request_bytes_in_flight)
 
     @property
     def address(self) -> str:

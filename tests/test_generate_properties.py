@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from types import SimpleNamespace
 
 import grpc
@@ -21,6 +20,7 @@ from specdec.app.embedded import LocalSchedulerFactory
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
+from gates import wait_until
 from test_server_e2e import save_tokenizer
 
 MAX_POS = 128
@@ -186,10 +186,9 @@ def test_server_still_serves_and_frees_every_block(served):
     result = call(served.stub, req)
     assert result[0] == "ok" and result[1][-1].finish_reason == "length"
     assert sum(len(r.token_ids) for r in result[1]) == 8
-    end = time.monotonic() + 5
     factory = served.factory
-    while time.monotonic() < end and (factory.target_worker.cache.allocator.num_used
-                                      or factory.draft_worker.drafter.runner.cache.allocator.num_used):
-        time.sleep(0.01)
+    # Releases go out with the next round or an idle flush, soon after the last response.
+    wait_until(lambda: not (factory.target_worker.cache.allocator.num_used
+                            or factory.draft_worker.drafter.runner.cache.allocator.num_used))
     assert factory.target_worker.cache.allocator.num_used == 0
     assert factory.draft_worker.drafter.runner.cache.allocator.num_used == 0

@@ -33,7 +33,8 @@ from specdec.params import SamplingParams
 from specdec.tokenizer import load_tokenizer
 
 from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
-from test_server_e2e import KV, MAX_POS, save_tokenizer, self_signed_cert, slow_rounds, wait_until
+from gates import Calls, RoundGate, wait_until
+from test_server_e2e import KV, MAX_POS, save_tokenizer, self_signed_cert
 
 K = 4
 TOKEN = "s3cret"
@@ -320,8 +321,7 @@ def test_round_gauges_agree_with_the_requests_own_stats(reference):
 CANCELLED = ("specdec_requests_total", frozenset({("finish_reason", "cancelled")}))
 LENGTH = ("specdec_requests_total", frozenset({("finish_reason", "length")}))
 GENERATED = ("specdec_generated_tokens_total", frozenset())
-# 100 tokens take at least 20 rounds of 0.05 s (K <= 4): a disconnect after 0.3 s comes well before the end.
-LONG, SLOW_ROUND_S = 100, 0.05
+LONG = 100  # tokens: many rounds (K <= 4); the scheduler holds after one until the client has gone
 
 
 def assert_cancelled_not_finished(served, before) -> None:
@@ -333,16 +333,24 @@ def assert_cancelled_not_finished(served, before) -> None:
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(served):
     before = scrape(served)
-    slow_rounds(served.scheduler, SLOW_ROUND_S)
+    # The request cannot finish before the server has seen the client go: the scheduler holds
+    # after the first round that streamed text (the first SSE event) until the abort was sent.
+    gate = RoundGate(holds=lambda report: any(u.text and not u.finished for u in report.updates))
+    served.scheduler.on_round = gate
     try:
         body = dict(model=served.model, prompt=IDS, max_tokens=LONG, temperature=0, stream=True)
-        with httpx.Client(headers=served.headers) as client:
-            with client.stream("POST", f"{served.base}/v1/completions", json=body) as response:
-                first = next(response.iter_lines())
-                assert first.startswith("data: ") and kv_used(served.factory) > 0
+        with Calls(served.scheduler, "abort") as aborts:
+            with httpx.Client(headers=served.headers) as client:
+                with client.stream("POST", f"{served.base}/v1/completions", json=body) as response:
+                    first = next(response.iter_lines())
+                    assert first.startswith("data: ") and kv_used(served.factory) > 0
+            [req_id] = gate.held_request_ids()
+            assert aborts.wait_first_arg(req_id)
+        gate.open()
         assert wait_until(lambda: kv_used(served.factory) == 0)
         assert not served.scheduler.scheduler.running and served.scheduler.num_active == 0
     finally:
+        gate.open()
         served.scheduler.on_round = None
     assert_cancelled_not_finished(served, before)
     assert served.client.completions.create(model=served.model, prompt=IDS, max_tokens=3).usage.completion_tokens == 3
@@ -350,14 +358,22 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(served):
 
 def test_client_disconnect_while_waiting_for_a_whole_response_frees_kv_blocks(served):
     before = scrape(served)
-    slow_rounds(served.scheduler, SLOW_ROUND_S)
+    # The request cannot finish before the client has timed out and gone: the scheduler holds
+    # after its first round until the abort was sent.
+    gate = RoundGate()
+    served.scheduler.on_round = gate
     try:
         body = dict(model=served.model, prompt=IDS, max_tokens=LONG, temperature=0)
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{served.base}/v1/completions", json=body, headers=served.headers, timeout=0.3)
+        with Calls(served.scheduler, "abort") as aborts:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{served.base}/v1/completions", json=body, headers=served.headers, timeout=0.3)
+            [req_id] = gate.held_request_ids()
+            assert aborts.wait_first_arg(req_id)
+        gate.open()
         assert wait_until(lambda: kv_used(served.factory) == 0 and not served.scheduler.scheduler.running)
         assert served.scheduler.num_active == 0
     finally:
+        gate.open()
         served.scheduler.on_round = None
     assert_cancelled_not_finished(served, before)
 
@@ -370,7 +386,7 @@ def test_503_until_ready(models):
     gate = threading.Event()
 
     def slow_factory():
-        gate.wait(10)
+        gate.wait(120)  # the test sets it; the bound only ends a broken test
         return factory()
 
     with run_server_in_thread(slow_factory, factory.tokenizer, wait_ready=False) as handle:
@@ -381,7 +397,7 @@ def test_503_until_ready(models):
         assert refused.status_code == 503 and "still loading" in refused.json()["error"]["message"]
         assert httpx.get(f"{base}/v1/models").status_code == 503
         gate.set()
-        assert wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, timeout=10)
+        assert wait_until(lambda: httpx.get(f"{base}/health").status_code == 200)
         ok = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT, max_tokens=2))
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
@@ -390,21 +406,27 @@ def test_503_while_draining_and_in_flight_streams_finish(models):
     factory = LocalSchedulerFactory(config(models))
     with run_server_in_thread(factory, factory.tokenizer) as handle:
         base = f"http://127.0.0.1:{handle.http_port}"
-        slow_rounds(handle.server.scheduler, 0.02)
+        # The stream is still in flight while the drain is checked: the scheduler holds after the
+        # round that streamed its first event until then.
+        gate = RoundGate(holds=lambda report: any(u.text and not u.finished for u in report.updates))
+        handle.server.scheduler.on_round = gate
         body = dict(model=models.target, prompt=IDS, max_tokens=30, temperature=0, stream=True)
         with httpx.Client() as client, client.stream("POST", f"{base}/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            stopper = threading.Thread(target=handle.stop, args=(10.0,))
-            stopper.start()
-            assert wait_until(lambda: handle.server.gate.draining)
-            health = httpx.get(f"{base}/health")
-            assert health.status_code == 503 and health.json()["status"] == "draining"
-            refused = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT))
-            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            stopper = threading.Thread(target=handle.stop, args=(60.0,))
+            try:
+                stopper.start()
+                assert wait_until(lambda: handle.server.gate.draining)
+                health = httpx.get(f"{base}/health")
+                assert health.status_code == 503 and health.json()["status"] == "draining"
+                refused = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT))
+                assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            finally:
+                gate.open()
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
-        stopper.join(15)
+        stopper.join(60)
         assert not stopper.is_alive() and kv_used(factory) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{base}/health")

@@ -214,8 +214,9 @@ def _stub(path: Path, body: str) -> None:
 def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1,
                      sigterm: bool = True, env_overrides: dict | None = None) -> tuple[int, list[str]]:
     """Run the head container's script with stub `fake-ray-start` (as $KUBERAY_GEN_RAY_START_CMD),
-    `ray` and `specdec` on PATH; once `specdec serve` has started `serve_starts` times, send SIGTERM
-    (if `sigterm`). Returns the exit status and the stubs' log lines."""
+    `ray` and `specdec` on PATH; once `specdec serve` has started `serve_starts` times (and, if its
+    stub logs TRAP_SET, has set its SIGTERM trap), send SIGTERM (if `sigterm`). Returns the exit
+    status and the stubs' log lines."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "log"
@@ -242,14 +243,20 @@ def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1
     def lines() -> list[str]:
         return log.read_text().splitlines() if log.exists() else []
 
+    # A stub that traps SIGTERM says when its trap is set: a SIGTERM forwarded before would kill
+    # it on a slow machine, whatever fixed pause came first.
+    started = TRAP_SET if TRAP_SET in specdec_body else "specdec serve"
     try:
         deadline = time.monotonic() + 30  # generous: only a failing script waits this long
         while proc.poll() is None and time.monotonic() < deadline:
-            if sum(x.startswith("specdec serve") for x in lines()) >= serve_starts:
+            if sum(x.startswith(started) for x in lines()) >= serve_starts:
                 break
             time.sleep(0.02)
         if sigterm and proc.poll() is None:
-            time.sleep(0.2)  # let the script reach its wait
+            # The head script sets serve_pid (which its SIGTERM trap needs) right after it forks the
+            # stub, long before the stub has started and logged; this pause only covers a head
+            # script descheduled in between.
+            time.sleep(0.2)
             proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
     finally:
@@ -260,8 +267,10 @@ def _run_head_script(tmp_path: Path, specdec_body: str, *, serve_starts: int = 1
     return code, lines()
 
 
+TRAP_SET = "trap set"
 _SERVE_UNTIL_SIGTERM = ('echo "specdec $* token=$SPECDEC_AUTH_TOKEN" >> LOG\n'
                         "trap 'echo drained >> LOG; exit 0' TERM\n"
+                        f"echo '{TRAP_SET}' >> LOG\n"
                         "while :; do sleep 0.05; done\n")
 
 
@@ -300,6 +309,7 @@ def test_head_script_fails_the_container_when_ray_dies(tmp_path):
 def test_head_script_kills_a_serve_that_overruns_its_grace_period(tmp_path):
     ignores_sigterm = ('echo "specdec $*" >> LOG\n'
                        "trap 'echo term-ignored >> LOG' TERM\n"
+                       f"echo '{TRAP_SET}' >> LOG\n"
                        "while :; do sleep 0.05; done\n")
     code, lines = _run_head_script(tmp_path, ignores_sigterm,
                                    env_overrides={"SPECDEC_GRACE_PERIOD": "0.3", "SPECDEC_STOP_SECONDS": "0.3"})

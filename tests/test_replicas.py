@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import time
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from coordinator.router import Replica, pick_replica
-from coordinator.scale_policy import ReplicaLoad, ScalePolicy
+from coordinator.scale_policy import ReplicaLoad, ScaleDecision, ScalePolicy
 from coordinator.server import GenerationServer
 from coordinator.server_thread import LOOPBACK_SERVER, ServerThread
 from specdec import LocalEngine, ServiceConfig
@@ -26,6 +26,7 @@ from specdec.config import ConfigError, ReplicaConfig
 from specdec.params import SamplingParams
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
+from gates import Calls, RoundGate, wait_until
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))] * 3
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -140,7 +141,7 @@ def generate_all(port: int, prompts, params) -> list[list[int]]:
         with GenerationClient(f"127.0.0.1:{port}") as client:
             p = params[i]
             return client.generate(prompts[i], max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                                   seed=p.seed, ignore_eos=True).token_ids
+                                   seed=p.seed, ignore_eos=True, timeout=120).token_ids
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, range(len(prompts))))
 
@@ -155,19 +156,15 @@ def test_two_replicas_share_the_streams_and_match_one_engine(models):
         report.replica, per_replica.get(report.replica, 0) + report.committed_tokens)
     try:
         assert generate_all(handle.port, PROMPTS, PARAMS) == want
-        deadline = time.monotonic() + 10  # the hook runs after a round's updates went out
-        while sum(per_replica.values()) < sum(len(w) for w in want):
-            assert time.monotonic() < deadline, per_replica
-            time.sleep(0.02)
+        # The hook runs after a round's updates went out: the last rounds are counted soon after.
+        assert wait_until(lambda: sum(per_replica.values()) >= sum(len(w) for w in want)), per_replica
         assert set(per_replica) == {0, 1} and all(n > 0 for n in per_replica.values()), per_replica
         assert sum(per_replica.values()) == sum(len(w) for w in want)
         metrics = handle.server.metrics.registry.get_sample_value
         for replica in ("0", "1"):
             assert metrics("specdec_kv_blocks_total", {"replica": replica}) == 96
-        deadline = time.monotonic() + 10
-        while any(f.target_worker.cache.allocator.num_used for f in factories):
-            assert time.monotonic() < deadline, "KV blocks still in use after every stream ended"
-            time.sleep(0.05)
+        assert wait_until(lambda: not any(f.target_worker.cache.allocator.num_used for f in factories)), \
+            "KV blocks still in use after every stream ended"
     finally:
         handle.stop()
 
@@ -179,28 +176,54 @@ def test_in_process_autoscaling_adds_a_replica_under_load_and_drains_it_when_idl
     handle, _ = serve(config, launcher)
     router = handle.server.scheduler
     router.tick_s = 0.1
+    # However fast the rounds, replica 0's queue stays backed up until the test has seen the new
+    # replica serve: replica 0 holds after its first round until all six requests reached it, then
+    # after the round whose report (the router's view of its load) has the other five waiting,
+    # until the gate opens. Five, not just some: new requests must find replica 0 the busier one
+    # (on a tie the router prefers free KV blocks, and a new replica reports none before its
+    # first round).
+    busy_requests = 6
+    backed_up = RoundGate(holds=lambda report: report.replica == 0 and report.queue_depth == busy_requests - 1)
+    # An idle replica is removed only once the test is done with it (it may look long after the
+    # new replica came up): until then removals are suppressed.
+    removals_allowed = threading.Event()
+    decide = router.policy.decide
+
+    def decide_unless_removal_held(now, loads, pending=0):
+        decision = decide(now, loads, pending)
+        return decision if decision.remove is None or removals_allowed.is_set() else ScaleDecision()
+
+    router.policy.decide = decide_unless_removal_held
     served_by: set[int] = set()
-    router.on_round = lambda report: served_by.add(report.replica) if report.ran else None
+
+    def on_round(report):
+        if report.ran:
+            served_by.add(report.replica)
+        if report.replica == 0 and not backed_up.is_open:
+            submits.wait_count(busy_requests)
+            backed_up(report)
+
     try:
         long = SamplingParams(max_new_tokens=120, ignore_eos=True)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(generate_all, handle.port, [PROMPTS[0]] * 6, [long] * 6)
-            deadline = time.monotonic() + 30
-            while len(router.replicas) < 2 or not router.replicas[1].serving:
-                assert time.monotonic() < deadline, "no replica was added while requests waited"
-                time.sleep(0.05)
+        with Calls(router, "submit") as submits, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            router.on_round = on_round
+            busy = pool.submit(generate_all, handle.port, [PROMPTS[0]] * busy_requests, [long] * busy_requests)
+            backed_up.wait_held()
+            assert wait_until(lambda: len(router.replicas) == 2 and router.replicas[1].serving), \
+                "no replica was added while requests waited"
             assert set(launcher.factories) == {1}
-            # Requests stay where they were routed; new ones go to the new, emptier replica.
+            # Requests stay where they were routed; new ones go to the new, emptier replica (and are
+            # served while replica 0 is still held).
             assert generate_all(handle.port, PROMPTS[:2], [GREEDY] * 2)
-            assert len(busy.result(timeout=120)) == 6
-        assert served_by == {0, 1}
-        deadline = time.monotonic() + 30
-        while len(router.replicas) > 1:
-            assert time.monotonic() < deadline, "the idle replica was never removed"
-            time.sleep(0.05)
+            assert served_by == {0, 1} and not busy.done()
+            backed_up.open()
+            assert len(busy.result(timeout=120)) == busy_requests
+        removals_allowed.set()
+        assert wait_until(lambda: len(router.replicas) == 1, timeout=60), "the idle replica was never removed"
         assert launcher.factories == {} and [r.index for r in router.replicas] == [0]
         assert generate_all(handle.port, PROMPTS[:2], [GREEDY] * 2)  # still serving after
     finally:
+        backed_up.open()
         handle.stop()
 
 

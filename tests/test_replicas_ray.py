@@ -151,16 +151,34 @@ def test_autoscaling_adds_a_replica_on_the_second_node_under_load_and_removes_it
     try:
         count = lambda: len(ray.get(deployment.coordinator.routing.remote(), timeout=30)["replicas"])  # noqa: E731
         assert count() == 1
-        long = [SamplingParams(max_new_tokens=200, ignore_eos=True)] * 8
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load = pool.submit(stream_all, deployment.port, PROMPTS[:8], long)
-            deadline = time.monotonic() + 120
-            while count() < 2:
-                assert time.monotonic() < deadline, "no replica was added while requests waited"
-                time.sleep(0.5)
-            added = ray.get_actor("specdec-scale-target-1", namespace="specdec")
-            assert ray.get(added.ready.remote(), timeout=60)["node_ip"]
-            assert all(len(tokens) == 200 for tokens in load.result(timeout=240))
+        # Eight clients send 200-token requests back to back until the test has seen the new
+        # replica: two run at a time, so requests wait on replica 0 however fast its rounds (a
+        # fixed amount of work could end within the scale-up window on a fast machine), and the
+        # new replica has work (is not idle, so not removed) while the test looks at it.
+        seen_added = threading.Event()
+
+        def load_until_seen(i: int) -> list[int]:
+            lengths = []
+            with GenerationClient(f"127.0.0.1:{deployment.port}") as client:
+                while not seen_added.is_set():
+                    lengths.append(len(client.generate(PROMPTS[i], max_new_tokens=200, ignore_eos=True,
+                                                       timeout=240).token_ids))
+            return lengths
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            load = [pool.submit(load_until_seen, i) for i in range(8)]
+            try:
+                deadline = time.monotonic() + 120
+                while count() < 2:
+                    assert time.monotonic() < deadline, "no replica was added while requests waited"
+                    time.sleep(0.5)
+                added = ray.get_actor("specdec-scale-target-1", namespace="specdec")
+                assert ray.get(added.ready.remote(), timeout=60)["node_ip"]
+            finally:
+                seen_added.set()
+            for client_load in load:
+                lengths = client_load.result(timeout=240)
+                assert lengths and all(n == 200 for n in lengths), lengths
         deadline = time.monotonic() + 120
         while count() > 1:
             assert time.monotonic() < deadline, "the idle replica was never removed"

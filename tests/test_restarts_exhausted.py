@@ -22,6 +22,7 @@ from specdec import ServiceConfig  # noqa: E402
 from specdec.client import GenerationClient  # noqa: E402
 
 from checkpoints import CONFIGS, build_checkpoint  # noqa: E402
+from gates import wait_until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECOVERY_S = 300.0  # never reached here
@@ -48,21 +49,24 @@ def test_target_out_of_restarts_fails_its_streams_now_and_health_says_not_servin
         try:
             assert health_status(deployment.port) == health_pb2.HealthCheckResponse.SERVING
             client = GenerationClient(f"127.0.0.1:{deployment.port}")
+            target_pid = ray.get(deployment.target.pid.remote(), timeout=30)
+            # The stream must still run at the kill. Its worker is in another process (no gate
+            # reaches it): 900 target-only rounds of a gRPC round trip each (~0.6 s here, ~60 ms on
+            # a machine 10x faster), against the microseconds from its first response to the kill.
             stream = client.generate_stream([3, 17, 42, 5], max_new_tokens=900, ignore_eos=True, timeout=120)
             next(stream)
-            os.kill(ray.get(deployment.target.pid.remote(), timeout=30), 9)
+            os.kill(target_pid, 9)
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as failed:
                 list(stream)
             waited = time.monotonic() - t0
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
             assert "will not be restarted" in failed.value.details() and "max_restarts" in failed.value.details()
+            # 30 s: a tenth of the 300 s recovery timeout, room for a slow machine's Ray.
             assert waited < 30, f"failed after {waited:.0f}s: Ray's answer should end it, not the timeout"
 
-            end = time.monotonic() + 10
-            while health_status(deployment.port) != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.monotonic() < end, "health still SERVING with the target gone for good"
-                time.sleep(0.1)
+            assert wait_until(lambda: health_status(deployment.port) == health_pb2.HealthCheckResponse.NOT_SERVING), \
+                "health still SERVING with the target gone for good"
             with pytest.raises(grpc.RpcError) as refused:
                 client.generate([5, 6], max_new_tokens=4)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -37,6 +37,7 @@ from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
 from checkpoints import CONFIGS, build_checkpoint, cheap_drafting_policy, perturbed_copy, predraft_always
+from gates import RoundGate, wait_until
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
 GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -240,7 +241,7 @@ def test_a_target_gone_for_good_fails_its_requests_clearly_then_serves_when_back
         sched.step()
         target.kill()
         updates = []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # past the 0.5 s recovery timeout; only bounds a hang
         while not any(u.finished for u in updates):
             assert time.monotonic() < deadline
             updates += sched.step().updates
@@ -251,10 +252,17 @@ def test_a_target_gone_for_good_fails_its_requests_clearly_then_serves_when_back
         sched.add_request(Request("b", PROMPTS[1], GREEDY))  # refused at once while it is gone
         assert [u.error_kind for u in sched.step().updates] == ["unavailable"]
         target.start()
-        time.sleep(1.1)  # the next look for it is due
+
+        def probe() -> bool:  # what the scheduler thread does when idle: look for it when due
+            if sched.has_work():
+                sched.step()
+            return sched.healthy
+
+        # A look may still meet the channel's reconnect backoff: it is back once a look found it.
+        assert wait_until(probe, timeout=60)
         sched.add_request(Request("c", PROMPTS[1], GREEDY))
         got = []
-        while sched.running or sched.waiting or not got:
+        while sched.running or sched.waiting:
             got += [t for u in sched.step().updates for t in u.token_ids]
         assert sched.healthy and len(got) == GREEDY.max_new_tokens
     finally:
@@ -263,17 +271,18 @@ def test_a_target_gone_for_good_fails_its_requests_clearly_then_serves_when_back
 
 
 class Hanging:
-    """A target that stops answering (like a SIGSTOPped process) when `hang` is set."""
+    """A target that stops answering (like a SIGSTOPped process) while `hang` is set and until
+    `replaced` is: however slow the machine, it never answers within the round deadline."""
 
     def __init__(self, inner):
-        self.inner, self.hang = inner, threading.Event()
+        self.inner, self.hang, self.replaced = inner, threading.Event(), threading.Event()
 
     def info(self):
         return self.inner.info()
 
     def verify(self, tasks, finished):
         if self.hang.is_set():
-            time.sleep(3.0)  # past the 2 s round deadline
+            self.replaced.wait(120)
         return self.inner.verify(tasks, finished)
 
 
@@ -288,10 +297,14 @@ def test_a_hung_worker_is_treated_as_dead_and_its_requests_resume(cluster, unint
         hung_at.append(time.monotonic())
 
     def recover():  # the operator (or Ray) replaces the stuck worker with a fresh one
+        hanging.replaced.set()
         cluster.target.server.stop(None).wait()
         cluster.target.start()
 
-    out = run(cluster.scheduler, 3, hang, steps_between=1, after=recover)
+    try:
+        out = run(cluster.scheduler, 3, hang, steps_between=1, after=recover)
+    finally:
+        hanging.replaced.set()
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == uninterrupted
     assert "no answer within 2s" in cluster.scheduler.target_health.last_error
 
@@ -313,15 +326,6 @@ def http_health(port: int) -> tuple[int, dict]:
         return e.code, json.load(e)
 
 
-def eventually(predicate, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 LONG = SamplingParams(max_new_tokens=200, ignore_eos=True)
 
 
@@ -337,19 +341,27 @@ def test_a_worker_ray_will_not_restart_fails_requests_at_once_and_health_follows
         return cluster.target.address
 
     cluster.scheduler.target.resolve_address = resolve
-    with run_server_in_thread(lambda: cluster.scheduler, None) as server:
+    # The stream is still running when its target dies: the scheduler holds after its first round
+    # until the target is gone.
+    running = RoundGate()
+    with run_server_in_thread(lambda: cluster.scheduler, None, on_round=running) as server:
         assert health_status(server.port) == health_pb2.HealthCheckResponse.SERVING
         client = GenerationClient(f"127.0.0.1:{server.port}")
         stream = client.generate_stream(PROMPTS[0], max_new_tokens=LONG.max_new_tokens, ignore_eos=True)
         next(stream)
-        gone.set()
-        cluster.target.kill()
+        try:
+            running.wait_held()
+            gone.set()
+            cluster.target.kill()
+        finally:
+            running.open()
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as failed:
             list(stream)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Not the 30 s recovery timeout (a third of it, for a slow machine's margin).
         assert "will not be restarted" in failed.value.details() and time.monotonic() - t0 < 10
-        assert eventually(lambda: health_status(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert wait_until(lambda: health_status(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING)
         code, body = http_health(server.http_port)
         assert code == 503 and body["status"] == "failed" and "will not be restarted" in body["message"]
         with pytest.raises(grpc.RpcError) as refused:
@@ -358,7 +370,7 @@ def test_a_worker_ray_will_not_restart_fails_requests_at_once_and_health_follows
 
         cluster.target.start()  # deployed again: nobody sends a request, health comes back alone
         gone.clear()
-        assert eventually(lambda: health_status(server.port) == health_pb2.HealthCheckResponse.SERVING)
+        assert wait_until(lambda: health_status(server.port) == health_pb2.HealthCheckResponse.SERVING)
         assert len(client.generate(PROMPTS[1], max_new_tokens=5).token_ids) == 5
         client.close()
 
@@ -369,18 +381,24 @@ def test_a_worker_killed_while_the_server_drains_its_streams_still_finish(cluste
     want = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False) \
         .generate([PROMPTS[0]], LONG)[0].token_ids
     config = dataclasses.replace(LOOPBACK_SERVER, grace_period=60.0)
-    with run_server_in_thread(lambda: cluster.scheduler, None, config) as server:
+    # The stream is still running when the drain starts and its target dies: the scheduler holds
+    # after its first round until then; the target comes back only once the scheduler lost it.
+    running = RoundGate()
+    with run_server_in_thread(lambda: cluster.scheduler, None, config, on_round=running) as server:
         client = GenerationClient(f"127.0.0.1:{server.port}")
         stream = client.generate_stream(PROMPTS[0], max_new_tokens=LONG.max_new_tokens, ignore_eos=True)
         got = list(next(stream).token_ids)
         stopping = threading.Thread(target=server.stop)  # drains for up to 60 s
-        stopping.start()
-        assert eventually(lambda: server.server.gate.draining)
-        cluster.target.kill()
-        with pytest.raises(grpc.RpcError) as refused:
-            client.generate(PROMPTS[1], max_new_tokens=5)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
-        time.sleep(0.3)
+        try:
+            stopping.start()
+            assert wait_until(lambda: server.server.gate.draining)
+            cluster.target.kill()
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate(PROMPTS[1], max_new_tokens=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+        finally:
+            running.open()
+        assert wait_until(lambda: not cluster.scheduler.target_health.up)
         cluster.target.start()
         for response in stream:
             got += response.token_ids

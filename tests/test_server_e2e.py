@@ -29,6 +29,7 @@ from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
 from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
+from gates import Calls, RoundGate, wait_until  # wait_until: also imported from here by other tests
 
 K = 4
 MAX_POS = 128
@@ -104,16 +105,9 @@ def expected(reference, prompt, n=24, k=None, **sampling):
 
 
 def slow_rounds(scheduler_thread, seconds):
+    """Rounds take `seconds` longer: for tests that want long rounds, not to catch a state (hold
+    the state with gates.RoundGate instead)."""
     scheduler_thread.on_round = lambda report: time.sleep(seconds)
-
-
-def wait_until(predicate, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def kv_used(factory) -> int:
@@ -168,30 +162,43 @@ def test_greedy_speculative_equals_target_only(served):
 def test_concurrent_streams_equal_one_at_a_time(served):
     jobs = [(PROMPTS[i % 4], dict(SAMPLED, seed=i) if i % 2 else {}, 16 + i) for i in range(8)]
     widths, tokens_by_request = [], {}
+    # The streams overlap whatever the machine's speed: the first concurrent round holds the
+    # scheduler until all eight requests reached it (none can finish in one round: K + 1 < 16).
+    all_in = RoundGate()
 
     def record(report):
         widths.append(report.batch_size)
         for update in report.updates:
             tokens_by_request[update.req_id] = tokens_by_request.get(update.req_id, 0) + len(update.token_ids)
-        time.sleep(0.002)  # lets the streams overlap
+        if concurrent_phase.is_set() and not all_in.is_open:
+            all_in(report)
 
     # The hook runs after a round's updates went out: it may still see the last sequential round
     # once the concurrent requests started, so their tokens are told apart by request id.
+    concurrent_phase = threading.Event()
     served.scheduler.on_round = record
     try:
         sequential = [served.client.generate(p, max_new_tokens=n, **s) for p, s, n in jobs]
         sequential_ids = set(tokens_by_request)
         widths.clear()
-        with ThreadPoolExecutor(8) as pool:
-            concurrent = list(pool.map(lambda j: served.client.generate(j[0], max_new_tokens=j[2], **j[1]), jobs))
+        with Calls(served.scheduler, "submit") as submits, ThreadPoolExecutor(8) as pool:
+            concurrent_phase.set()
+            running = pool.map(lambda j: served.client.generate(j[0], max_new_tokens=j[2], **j[1]), jobs)
+            assert submits.wait_count(len(jobs))
+            all_in.open()
+            concurrent = list(running)
+        # The round reports account for every token of every request (the hook of the last round
+        # may run after the clients have their answers).
+        concurrent_tokens = lambda: [n for req_id, n in tokens_by_request.items()  # noqa: E731
+                                     if req_id not in sequential_ids]
+        wait_until(lambda: sum(concurrent_tokens()) >= sum(n for *_, n in jobs))
     finally:
+        all_in.open()
         served.scheduler.on_round = None
     for seq, conc in zip(sequential, concurrent):
         assert conc.token_ids == seq.token_ids and conc.text == seq.text and conc.finish_reason == "length"
     assert max(widths) > 1  # they really were batched together
-    # The round reports account for every token of every request.
-    concurrent_tokens = [n for req_id, n in tokens_by_request.items() if req_id not in sequential_ids]
-    assert sorted(concurrent_tokens) == sorted(n for *_, n in jobs)
+    assert sorted(concurrent_tokens()) == sorted(n for *_, n in jobs)
     assert wait_until(lambda: kv_used(served.factory) == 0)
 
 
@@ -220,27 +227,40 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(served, prompt, 
 
 
 def test_client_cancel_frees_kv_blocks(served):
-    slow_rounds(served.scheduler, 0.02)
+    # The request cannot finish before the cancel has reached the scheduler: it holds after the
+    # first round until then.
+    gate = RoundGate()
+    served.scheduler.on_round = gate
     try:
-        call = served.client.generate_stream([4, 8, 15, 16, 23, 42], max_new_tokens=100)
-        first = next(call)
-        assert first.token_ids and kv_used(served.factory) > 0
-        call.cancel()
+        with Calls(served.scheduler, "abort") as aborts:
+            call = served.client.generate_stream([4, 8, 15, 16, 23, 42], max_new_tokens=100)
+            first = next(call)
+            [req_id] = gate.held_request_ids()
+            assert first.token_ids and kv_used(served.factory) > 0
+            call.cancel()
+            assert aborts.wait_first_arg(req_id)
+        gate.open()
         assert wait_until(lambda: kv_used(served.factory) == 0)
         assert not served.scheduler.scheduler.running and served.scheduler.num_active == 0
     finally:
+        gate.open()
         served.scheduler.on_round = None
     assert served.client.generate("hello", max_new_tokens=4).finish_reason == "length"
 
 
 def test_deadline_exceeded_frees_kv_blocks(served):
-    slow_rounds(served.scheduler, 0.02)
+    # The request cannot finish within its deadline: the scheduler holds after its first round
+    # until the client has seen DEADLINE_EXCEEDED.
+    gate = RoundGate()
+    served.scheduler.on_round = gate
     try:
         with pytest.raises(grpc.RpcError) as info:
             served.client.generate([4, 8, 15], max_new_tokens=100, timeout=0.3)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        gate.open()
         assert wait_until(lambda: kv_used(served.factory) == 0 and not served.scheduler.scheduler.running)
     finally:
+        gate.open()
         served.scheduler.on_round = None
 
 
@@ -285,19 +305,25 @@ def test_graceful_stop_and_auth(models):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         client = GenerationClient(address, token="s3cret")
         assert client.generate("hi", max_new_tokens=2).finish_reason == "length"
-        slow_rounds(handle.server.scheduler, 0.02)
+        # The request is still in flight when the drain starts: it holds after its first round
+        # until new requests were seen refused.
+        gate = RoundGate()
+        handle.server.scheduler.on_round = gate
         call = client.generate_stream([3, 1, 4, 1, 5], max_new_tokens=40)
         first = next(call)
-        stopper = threading.Thread(target=handle.stop, args=(10.0,))
-        stopper.start()
-        assert wait_until(lambda: handle.server.gate.draining)
-        with pytest.raises(grpc.RpcError) as info:
-            client.generate("hi", max_new_tokens=2)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        stopper = threading.Thread(target=handle.stop, args=(60.0,))
+        try:
+            stopper.start()
+            assert wait_until(lambda: handle.server.gate.draining)
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate("hi", max_new_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            gate.open()
         rest = list(call)  # the in-flight request runs to its end
         assert rest[-1].finish_reason == "length"
         assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 40
-        stopper.join(15)
+        stopper.join(60)
         assert not stopper.is_alive()
         assert kv_used(factory) == 0
         client.close()
@@ -342,15 +368,15 @@ def test_not_serving_until_ready_and_requests_wait(models, reference):
     gate = threading.Event()
 
     def slow_factory():
-        gate.wait(10)
+        gate.wait(120)  # the test sets it; the bound only ends a broken test
         return factory()
 
     with run_server_in_thread(slow_factory, factory.tokenizer, wait_ready=False) as handle:
         assert health_status(handle.port) == health_pb2.HealthCheckResponse.NOT_SERVING
         client = GenerationClient(f"127.0.0.1:{handle.port}")
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(client.generate, PROMPTS[0], max_new_tokens=8)  # queued while loading
-            time.sleep(0.1)
+        with Calls(handle.server.scheduler, "submit") as submits, ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, PROMPTS[0], max_new_tokens=8)
+            assert submits.wait_count(1)  # queued while loading
             assert not pending.done()
             gate.set()
             assert pending.result(10).token_ids == expected(reference, PROMPTS[0], n=8).token_ids

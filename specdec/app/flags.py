@@ -22,7 +22,7 @@ SERVE_SETTINGS = {
                "ngram_min", "ngram_window"),
     "network": ("host", "port", "http_port", "tls_cert", "tls_key", "auth_token", "grace_period",
                 "max_concurrent_rpcs", "max_request_bytes", "max_stop_strings", "max_stop_string_length",
-                "max_waiting_requests"),
+                "max_waiting_requests", "max_request_bytes_in_flight"),
     "ray": ("ray", "ray_address", "dashboard_host", "dashboard_port", "name", "worker_host", "worker_cpus",
             "max_restarts", "worker_wait", "target_worker_port", "draft_worker_port"),
     "worker failures": ("worker_round_timeout", "worker_recovery_timeout"),

@@ -54,6 +54,49 @@ TARGET_RESOURCE = "specdec_target"
 DRAFT_RESOURCE = "specdec_draft"
 
 
+def ray_is_up(timeout_s: float = 0.5) -> bool:
+    """Does this driver's Ray cluster still answer? Asked before calls on the shutdown path, since
+    Ray's own client waits 15-60 s on a GCS that is gone. False at once when a GCS or raylet that
+    this process started has exited; else one GCS request (Ray waits about a second at least for
+    an answer: a GCS told SIGTERM stops answering at once but its process lingers for seconds).
+    False when not connected."""
+    if not ray.is_initialized():
+        return False
+    node = getattr(ray._private.worker, "_global_node", None)
+    owned = getattr(node, "all_processes", None) or {}
+    if any(info.process.poll() is not None for kind in ("gcs_server", "raylet") for info in owned.get(kind, [])):
+        return False
+    try:
+        gcs = ray._private.worker.global_worker.gcs_client
+        gcs.internal_kv_get(b"specdec-probe", None, timeout=timeout_s)
+        return True
+    except AttributeError:  # (another Ray version's client) its GCS port accepts a connection
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            return False
+    except Exception:  # noqa: BLE001 - ray.exceptions.RpcError and kin: no answer
+        return False
+
+
+def get_while_up(refs, timeout_s: float, poll_s: float = 0.5):
+    """ray.get(refs) for up to timeout_s, giving up as soon as Ray itself is gone (TimeoutError
+    either way): a call on the shutdown path must not outlive the cluster it waits on."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs) if isinstance(refs, list) else [refs]
+    while True:
+        left = deadline - time.monotonic()
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(min(poll_s, left), 0.0))
+        if not pending:
+            return ray.get(refs, timeout=poll_s)
+        if left <= poll_s:
+            raise TimeoutError(f"no answer within {timeout_s:g}s")
+        if not ray_is_up():
+            raise TimeoutError("Ray is gone")
+
+
 def resolve_host(host: str) -> str:
     """"node-ip" -> this Ray node's IP; anything else unchanged."""
     if host in ("node-ip", "node_ip"):
@@ -278,6 +321,12 @@ def _address_resolver(actor_name: str, namespace: str, timeout_s: float = 1.0):
     return resolve
 
 
+# Seconds beyond the grace period that the coordinator's drain may take to answer (stopping its
+# servers and scheduler), and that the workers' servers may take to stop after it.
+DRAIN_ANSWER_S = 1.5
+WORKER_STOP_S = 1.0
+
+
 @dataclass
 class Deployment:
     """Handles to a running deployment (what `launch` returns). `target` / `draft` and their
@@ -311,24 +360,31 @@ class Deployment:
         return [self.coordinator] + [a for r in self.replicas for a in r.actors()]
 
     def drain_and_stop(self, grace_s: float, timeout_s: float | None = None) -> dict | None:
-        """Drain the public server, stop the workers' gRPC servers, then kill all actors."""
+        """Drain the public server (for up to grace_s, answered within timeout_s: default grace_s
+        + DRAIN_ANSWER_S), stop the workers' gRPC servers, then kill all actors. Each wait ends
+        early once Ray is gone, so the whole takes at most about grace_s + 3 s."""
         snapshot = None
         try:
-            snapshot = ray.get(self.coordinator.drain_and_stop.remote(grace_s),
-                               timeout=timeout_s if timeout_s is not None else grace_s + 15)
+            snapshot = get_while_up(self.coordinator.drain_and_stop.remote(grace_s),
+                                    grace_s + DRAIN_ANSWER_S if timeout_s is None else timeout_s)
         except Exception as e:  # noqa: BLE001 - still tear the rest down
             log.warning("coordinator did not drain cleanly: %s", e)
         workers = [a for r in self.replicas for a in r.actors()]
-        try:
-            ray.get([a.stop.remote(1.0) for a in workers], timeout=10)
-        except Exception as e:  # noqa: BLE001
-            log.warning("workers did not stop cleanly: %s", e)
+        if snapshot is not None:  # drained: nothing is in flight, the workers stop at once
+            try:
+                get_while_up([a.stop.remote(0.5) for a in workers], WORKER_STOP_S)
+            except Exception as e:  # noqa: BLE001
+                log.warning("workers did not stop cleanly: %s", e)
         self.kill()
         return snapshot
 
     def kill(self) -> None:
+        """Kill every actor and free the placement groups; nothing to do once Ray is gone (the
+        actors died with it, and each of these calls would wait on its GCS)."""
         from specdec.app.ray_replicas import stop_replica
 
+        if not ray_is_up():
+            return
         for replica in self.replicas:
             stop_replica(replica)
         try:

@@ -21,7 +21,11 @@ a flag beats the environment, the environment beats the default.
 
 SIGTERM / SIGINT drain: the server refuses new requests (UNAVAILABLE), in-flight requests run to
 completion for up to --grace-period seconds, then the actors stop, Ray shuts down if this command
-started it, and the exit status is 0. A second signal exits at once (status 1).
+started it, and the exit status is 0, within the grace period + 5 s. A second signal exits at once
+(status 1). A signal to the command's whole process group (systemd's default KillMode, a
+supervisor) drains the same way: the Ray instance this command starts runs in a session of its
+own, which only the command signals (_in_own_session). If Ray's processes were stopped first,
+nothing is left to drain: the command exits 0 at once instead of waiting on a Ray that is gone.
 
 On a cluster whose nodes carry specdec_* resources (k8s/base/raycluster.yaml) the command first waits
 for the target/draft worker nodes (--worker-wait), and each actor goes to its own node. A worker
@@ -33,6 +37,8 @@ NOT_SERVING.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -148,6 +154,59 @@ class _Signals:
             pass
 
 
+def _in_own_session(serve) -> int:
+    """Run `serve()` in a forked child that leads a session of its own, and relay SIGTERM / SIGINT
+    to it; returns its exit status.
+
+    Ray starts its processes (GCS, raylet, dashboard) in the caller's process group, and they die
+    at once on SIGTERM: a signal to the whole group killed the actors holding the in-flight
+    streams, and the drain then blocked on Ray's 60 s reconnect to a GCS that was gone. In the
+    child's own session only this command signals them. The child is told SIGTERM if this process
+    dies first (PR_SET_PDEATHSIG), so it never outlives the command. Without fork (not POSIX),
+    or where threads already run (fork would copy their locks), serve() runs here as before."""
+    if not hasattr(os, "fork") or threading.active_count() > 1:
+        return serve()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child, measured through the serve tests
+        status = 1
+        try:
+            os.setsid()
+            _die_with_parent()
+            status = serve()
+        except ServeError as e:
+            print(f"specdec serve: error: {e}", file=sys.stderr, flush=True)
+            status = 2
+        except BaseException:  # noqa: BLE001 - report it; the child must not return into the CLI
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
+    def relay(signum, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, relay)
+    _, status = os.waitpid(child, 0)  # (retried after each relayed signal: PEP 475)
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code  # killed by signal n: the shell's 128 + n
+
+
+def _die_with_parent() -> None:
+    """SIGTERM to this process when its parent exits (Linux; elsewhere nothing)."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -241,7 +300,9 @@ def _ray_init(config: ServiceConfig, quiet: bool):
     if started:
         env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p),
                _RAY_LOOPBACK_ENV[0]: _RAY_LOOPBACK_ENV[1]}
-        context = ray.init(include_dashboard=True, dashboard_host=config.ray.dashboard_host,
+        # address="local": a new instance even where another one runs on this machine (without
+        # it, ray.init() joins a cluster that `ray start` or a test left here).
+        context = ray.init(address="local", include_dashboard=True, dashboard_host=config.ray.dashboard_host,
                            dashboard_port=config.ray.dashboard_port, num_cpus=max(os.cpu_count() or 1, 2),
                            runtime_env={"env_vars": env}, _node_ip_address="127.0.0.1", **kwargs)
     else:
@@ -291,43 +352,86 @@ def _serve_with_ray(config: ServiceConfig, quiet: bool, signals: _Signals) -> in
     ray, started, dashboard, metrics_url = _ray_init(config, quiet)
     signals.install()
     try:
-        if signals.stop.is_set():
-            return 0
-        from specdec.app.ray_actors import launch
+        status = _serve_deployment(config, signals, started, t0, dashboard, metrics_url)
+    except BaseException as error:
+        _leave_ray(ray, error)
+        raise
+    _leave_ray(ray)
+    return status
 
-        if config.ray.worker_host is None:
-            config = ServiceConfig.from_settings(config, worker_host="127.0.0.1" if started else "node-ip")
-        gpus = _plan_gpus(ray, config, started, signals.stop)
-        if signals.stop.is_set():
-            return 0
-        try:
-            deployment = launch(config, target_gpus=gpus, draft_gpus=gpus)
-        except (RuntimeError, ValueError) as e:
-            raise ServeError(f"could not start the service: {e}") from e
-        if signals.stop.is_set():
-            deployment.drain_and_stop(0)
-            return 0
-        where = f"{config.server.host}:{deployment.port} (gRPC){_http_note(config, deployment.http_port)}"
-        extra = f"; dashboard at {dashboard}" if dashboard else ""
-        _say(f"specdec serving {_describe(config)} on {where}{extra} "
-             f"(ready in {time.perf_counter() - t0:.1f}s; workers: target {deployment.target_address}"
-             f"{', draft ' + deployment.draft_address if deployment.draft_address else ''})")
-        _say(kv_summary(deployment.replicas[0].info["info"], config.replicas.count))
-        if metrics_url:
-            _say(f"specdec metrics (Prometheus, ray_specdec_*) at {metrics_url}")
-        signals.wait()
-        grace = config.server.grace_period
-        _say(f"specdec: {signals.received}, draining (grace {grace:g}s)")
-        snapshot = deployment.drain_and_stop(grace)
-        if snapshot:
-            rate = snapshot.get("acceptance_rate")
-            _say(f"specdec: stopped after {snapshot.get('rounds', 0)} rounds, {snapshot.get('generated_tokens', 0)} "
-                 f"tokens" + (f", acceptance rate {rate:.3f}" if rate is not None else ""))
-        else:
-            _say("specdec: stopped")
+
+def _serve_deployment(config: ServiceConfig, signals: _Signals, started: bool, t0: float, dashboard: str,
+                      metrics_url: str) -> int:
+    """Launch the actors, serve until a signal, drain; the exit status."""
+    import ray
+
+    from specdec.app.ray_actors import launch, ray_is_up
+
+    if signals.stop.is_set():
         return 0
-    finally:
-        ray.shutdown()  # stops the local instance if this command started it; else just disconnects
+    if config.ray.worker_host is None:
+        config = ServiceConfig.from_settings(config, worker_host="127.0.0.1" if started else "node-ip")
+    gpus = _plan_gpus(ray, config, started, signals.stop)
+    if signals.stop.is_set():
+        return 0
+    try:
+        deployment = launch(config, target_gpus=gpus, draft_gpus=gpus)
+    except (RuntimeError, ValueError) as e:
+        raise ServeError(f"could not start the service: {e}") from e
+    if signals.stop.is_set():
+        deployment.drain_and_stop(0)
+        return 0
+    where = f"{config.server.host}:{deployment.port} (gRPC){_http_note(config, deployment.http_port)}"
+    extra = f"; dashboard at {dashboard}" if dashboard else ""
+    _say(f"specdec serving {_describe(config)} on {where}{extra} "
+         f"(ready in {time.perf_counter() - t0:.1f}s; workers: target {deployment.target_address}"
+         f"{', draft ' + deployment.draft_address if deployment.draft_address else ''})")
+    _say(kv_summary(deployment.replicas[0].info["info"], config.replicas.count))
+    if metrics_url:
+        _say(f"specdec metrics (Prometheus, ray_specdec_*) at {metrics_url}")
+    signals.wait()
+    if not ray_is_up():
+        _say(f"specdec: {signals.received}, but Ray's processes are gone (stopped first): nothing to drain")
+        return 0
+    grace = config.server.grace_period
+    _say(f"specdec: {signals.received}, draining (grace {grace:g}s)")
+    snapshot = deployment.drain_and_stop(grace)
+    if snapshot:
+        rate = snapshot.get("acceptance_rate")
+        _say(f"specdec: stopped after {snapshot.get('rounds', 0)} rounds, {snapshot.get('generated_tokens', 0)} "
+             f"tokens" + (f", acceptance rate {rate:.3f}" if rate is not None else ""))
+    else:
+        _say("specdec: stopped")
+    return 0
+
+
+def _leave_ray(ray, error: BaseException | None = None) -> None:
+    """ray.shutdown(): stops the local instance if this command started it, else disconnects.
+
+    With Ray's GCS gone, ray.shutdown() (and the one Ray's atexit hook runs) waits 15-60 s for it:
+    then the local processes that remain are killed and the process exits here, with its output
+    flushed and the status it would have had (`error`: the exception on its way out)."""
+    from specdec.app.ray_actors import ray_is_up
+
+    if ray_is_up():
+        ray.shutdown()
+        return
+    node = getattr(ray._private.worker, "_global_node", None)
+    with contextlib.suppress(Exception):  # best effort: what is left dies with its parent anyway
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+    status = 0
+    if isinstance(error, ServeError):
+        print(f"specdec serve: error: {error}", file=sys.stderr)
+        status = 2
+    elif error is not None:
+        import traceback
+
+        traceback.print_exception(error)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run(args) -> int:
@@ -340,6 +444,8 @@ def run(args) -> int:
             check_port_free(config.server.host, config.server.http_port, "--http-port")
         if not config.ray.enabled:
             return _serve_in_process(config, signals)
+        if config.ray.address is None:  # this command starts Ray: keep group signals away from it
+            return _in_own_session(lambda: _serve_with_ray(config, args.quiet, signals))
         return _serve_with_ray(config, args.quiet, signals)
     except ServeError as e:
         print(f"specdec serve: error: {e}", file=sys.stderr, flush=True)

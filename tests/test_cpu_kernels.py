@@ -1,6 +1,8 @@
 """specdec's C kernels (specdec.model.cpu_kernels): each one agrees with the torch ops it replaces,
-a whole pass through them agrees with the torch pass and with Hugging Face for every family and
-both attention routes, and a machine without a compiler runs torch's ops after one warning."""
+the product and attention give every row the same bits whatever else the call holds and on any
+number of threads, bad arguments are refused before C sees them, a whole pass through them agrees
+with the torch pass and with Hugging Face for every family, and a machine without a compiler runs
+torch's ops after one warning."""
 import dataclasses
 import logging
 
@@ -14,18 +16,22 @@ from specdec.config import ConfigError, WorkerConfig
 from specdec.model import cpu_kernels as kernels_module
 from specdec.model import load_model
 from specdec.model.batch import prepare_forward
+from specdec.model.cpu_kernels import KernelArgumentError
 from specdec.model.decoder import head_norm, rms_norm
 from specdec.model.rope import RotaryTable
 
 from checkpoints import build_checkpoint
 
-lib = kernels_module.load_cpu_kernels()
-needs_kernels = pytest.mark.skipif(lib is None, reason="no C compiler on this machine")
+kernels = kernels_module.load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
 
 
-def ptr(t: torch.Tensor):
-    assert t.is_contiguous() and t.dtype in (torch.float32, torch.int64)
-    return t.data_ptr()
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)  # (the kernels run on torch's OpenMP threads)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @needs_kernels
@@ -36,9 +42,9 @@ def test_add_rms_norm_matches_torch_with_and_without_a_residual(rows, dim):
     weight = torch.rand(dim, generator=gen)
     out = torch.empty_like(x)
     first = x.clone()
-    lib.add_rms_norm(ptr(first), None, ptr(weight), ptr(out), rows, dim, 1e-5)
+    kernels.add_rms_norm(first, None, weight, out, 1e-5)
     torch.testing.assert_close(out, rms_norm(x, weight, 1e-5), atol=1e-6, rtol=1e-5)
-    lib.add_rms_norm(ptr(first), ptr(delta), ptr(weight), ptr(out), rows, dim, 1e-5)
+    kernels.add_rms_norm(first, delta, weight, out, 1e-5)
     torch.testing.assert_close(first, x + delta)  # the residual stream is updated in place
     torch.testing.assert_close(out, rms_norm(x + delta, weight, 1e-5), atol=1e-6, rtol=1e-5)
 
@@ -47,7 +53,7 @@ def test_add_rms_norm_matches_torch_with_and_without_a_residual(rows, dim):
 def test_silu_mul_matches_torch():
     gate_up = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(0)) * 6
     out = torch.empty(3, 100)
-    lib.silu_mul(ptr(gate_up), ptr(out), 3, 100)
+    kernels.silu_mul(gate_up, out)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-5)
 
@@ -61,20 +67,69 @@ def test_rope_store_kv_rotates_q_and_k_and_writes_the_cache(with_head_norm):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
     positions, slots = torch.tensor([0, 17, 63]), torch.tensor([9, 2, 30])
     norm = torch.rand(heads + kv_heads, dim, generator=gen) if with_head_norm else None
-    k_cache, v_cache = torch.zeros(32, kv_heads, dim), torch.zeros(32, kv_heads, dim)
+    k_cache, v_cache = torch.zeros(4, 8, kv_heads, dim), torch.zeros(4, 8, kv_heads, dim)  # 4 blocks of 8
     expected = qkv.clone()
-    lib.rope_store_kv(ptr(qkv), tokens, heads, kv_heads, dim, ptr(positions), ptr(rotary.cos), ptr(rotary.sin),
-                      None if norm is None else ptr(norm), 1e-6, ptr(slots), ptr(k_cache), ptr(v_cache))
+    kernels.rope_store_kv(qkv, heads, kv_heads, positions, rotary.cos, rotary.sin, norm, 1e-6, slots, k_cache,
+                          v_cache)
     qk = expected[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
     if norm is not None:
         qk = head_norm(qk, norm, 1e-6)
     qk = RotaryTable.apply(qk, *rotary.lookup(positions))
     torch.testing.assert_close(qkv[:, :(heads + kv_heads) * dim], qk.reshape(tokens, -1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_cache[slots], qk[:, heads:])
-    torch.testing.assert_close(v_cache[slots], expected[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim))
+    k_rows, v_rows = k_cache.view(32, kv_heads, dim), v_cache.view(32, kv_heads, dim)
+    torch.testing.assert_close(k_rows[slots], qk[:, heads:])
+    torch.testing.assert_close(v_rows[slots], expected[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim))
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[slots] = False
-    assert k_cache[untouched].abs().sum() == 0 and v_cache[untouched].abs().sum() == 0
+    assert k_rows[untouched].abs().sum() == 0 and v_rows[untouched].abs().sum() == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, n, bias", [(64, 300, True), (37, 64, False), (384, 640, False), (5, 1, True)])
+def test_matmul_matches_a_float64_product(k, n, bias):
+    gen = torch.Generator().manual_seed(k)
+    weight, x = torch.randn(k, n, generator=gen), torch.randn(7, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    out = kernels.matmul(x, kernels.pack(weight, b), torch.empty(7, n))
+    expected = x.double() @ weight.double() + (0 if b is None else b.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+@needs_kernels
+def test_matmul_gives_a_row_the_same_bits_alone_among_any_rows_and_on_any_threads(threads):
+    """What makes a request's logits independent of its batch: the row computed alone (a decode
+    step) is bit for bit the row computed at any place among 2 to 70 rows (verify passes, batches,
+    prompts), on 1 or 2 threads. MKL's one-row product differs from its many-row one here."""
+    gen = torch.Generator().manual_seed(3)
+    weight = kernels.pack(torch.randn(384, 640, generator=gen), torch.randn(640, generator=gen))
+    row = torch.randn(1, 384, generator=gen)
+    alone = kernels.matmul(row, weight, torch.empty(1, 640))
+    for rows in (2, 3, 4, 5, 9, 48, 70):
+        for place in {0, rows // 2, rows - 1}:
+            x = torch.randn(rows, 384, generator=gen)
+            x[place] = row[0]
+            assert torch.equal(kernels.matmul(x, weight, torch.empty(rows, 640))[place], alone[0]), (rows, place)
+
+
+@needs_kernels
+def test_arguments_c_would_misread_are_refused_before_the_call():
+    weight = kernels.pack(torch.randn(8, 16))
+    with pytest.raises(KernelArgumentError, match="matmul"):
+        kernels.matmul(torch.randn(2, 9), weight, torch.empty(2, 16))  # inner sizes differ
+    with pytest.raises(KernelArgumentError, match="matmul"):
+        kernels.matmul(torch.randn(2, 8), weight, torch.empty(3, 16))  # out too small
+    with pytest.raises(KernelArgumentError, match="contiguous CPU torch.float32"):
+        kernels.matmul(torch.randn(8, 2).t(), weight, torch.empty(2, 16))  # not contiguous
+    with pytest.raises(KernelArgumentError, match="torch.float32"):
+        kernels.matmul(torch.randn(2, 8, dtype=torch.float64), weight, torch.empty(2, 16))
+    with pytest.raises(KernelArgumentError, match="add_rms_norm"):
+        kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(7), torch.empty(2, 8), 1e-5)
+    with pytest.raises(KernelArgumentError, match="silu_mul"):
+        kernels.silu_mul(torch.randn(2, 10), torch.empty(2, 4))
+    with pytest.raises(KernelArgumentError, match="torch.int64"):
+        rotary = RotaryTable(8, 16, 10000.0, None, torch.device("cpu"), torch.float32)
+        kernels.rope_store_kv(torch.randn(1, 32), 2, 1, torch.tensor([0], dtype=torch.int32), rotary.cos, rotary.sin,
+                              None, 1e-6, torch.tensor([0]), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
 
 
 @needs_kernels
@@ -90,9 +145,7 @@ def test_attend_matches_causal_sdpa_over_scattered_slots(heads, kv_heads, dim):
     qkv = torch.randn(sum(new), (heads + 2 * kv_heads) * dim, generator=gen)
     token_seqs, positions = torch.tensor([0, 0, 0, 1]), torch.tensor([37, 38, 39, 12])
     out = torch.empty(sum(new), heads * dim)
-    scores = torch.empty(heads // kv_heads * 40)
-    lib.attend(ptr(qkv), sum(new), heads, kv_heads, dim, ptr(token_seqs), ptr(positions), ptr(kv_slots), 40,
-               ptr(k_cache), ptr(v_cache), dim ** -0.5, ptr(out), ptr(scores))
+    kernels.attend(qkv, heads, kv_heads, token_seqs, positions, kv_slots, k_cache, v_cache, dim ** -0.5, out)
     for t in range(sum(new)):
         seq, length = int(token_seqs[t]), int(positions[t]) + 1
         keys, values = k_cache[kv_slots[seq, :length]], v_cache[kv_slots[seq, :length]]  # [L, Hkv, D]
@@ -102,11 +155,26 @@ def test_attend_matches_causal_sdpa_over_scattered_slots(heads, kv_heads, dim):
 
 
 @needs_kernels
-@pytest.mark.parametrize("attention", ["in C", "torch's"])
-def test_kernel_pass_agrees_with_hugging_face_for_every_family(family_dir, monkeypatch, attention):
+def test_attend_gives_a_token_the_same_bits_alone_among_any_tokens_and_on_any_threads(threads):
+    heads, kv_heads, dim, length = 6, 2, 64, 300
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache = torch.randn(400, kv_heads, dim, generator=gen), torch.randn(400, kv_heads, dim, generator=gen)
+    kv_slots = torch.randperm(400, generator=gen)[:length].view(1, length)
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions, seqs = torch.arange(length), torch.zeros(length, dtype=torch.long)
+    every = torch.empty(length, heads * dim)  # a 300-token prompt: shared out among threads
+    kernels.attend(qkv, heads, kv_heads, seqs, positions, kv_slots, k_cache, v_cache, 0.125, every)
+    for t in (0, 150, 299):  # one token at a time, as decode steps see them
+        one = torch.empty(1, heads * dim)
+        kernels.attend(qkv[t:t + 1].contiguous(), heads, kv_heads, seqs[:1], positions[t:t + 1], kv_slots, k_cache,
+                       v_cache, 0.125, one)
+        assert torch.equal(one[0], every[t]), t
+
+
+@needs_kernels
+def test_kernel_pass_agrees_with_hugging_face_for_every_family(family_dir):
     """Ragged prefill, verify-shaped passes, decode and rollback, each family's quirks (biases,
-    per-head norms, head_dim != hidden / heads), with attention in C or through torch's route."""
-    monkeypatch.setattr(kernel_forward, "MAX_ATTENTION_PAIRS", 10**9 if attention == "in C" else 0)
+    per-head norms, head_dim != hidden / heads)."""
     check_ragged_prefill_decode_and_rollback(family_dir)
 
 
@@ -136,15 +204,14 @@ def test_kernel_pass_equals_the_torch_pass_on_a_64_wide_head_model(tmp_path):
     torch.testing.assert_close(logits[0][:6], reference, atol=2e-4, rtol=1e-4)
 
 
-def test_prompts_and_positions_past_the_rotary_table_take_the_torch_path(gqa_target_dir):
+def test_positions_past_the_rotary_table_take_the_torch_path(gqa_target_dir):
+    """(Which raises the clear error; the C kernels would read past the table.)"""
     model = load_model(gqa_target_dir)
     cache = model.new_kv_cache(num_blocks=40, block_size=8)
     cache.add_sequence("a")
-    batch = prepare_forward(cache, ["a"], [list(range(kernel_forward.MAX_TOKENS + 1))], [1])
-    assert not kernel_forward.kernel_forward_fits(batch, model.rotary.cos.shape[0])
-    decode = prepare_forward(cache, ["a"], [[3]], [1])
-    assert kernel_forward.kernel_forward_fits(decode, model.rotary.cos.shape[0])
-    past_the_table = dataclasses.replace(decode, context_len=model.rotary.cos.shape[0] + 1)
+    prompt = prepare_forward(cache, ["a"], [list(range(100))], [1])
+    assert kernel_forward.kernel_forward_fits(prompt, model.rotary.cos.shape[0])
+    past_the_table = dataclasses.replace(prompt, context_len=model.rotary.cos.shape[0] + 1)
     assert not kernel_forward.kernel_forward_fits(past_the_table, model.rotary.cos.shape[0])
 
 

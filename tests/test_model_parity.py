@@ -57,17 +57,19 @@ def check_ragged_prefill_decode_and_rollback(model_dir, cpu_kernels: bool = True
 @BOTH_PATHS
 @pytest.mark.parametrize("packed, threads", [(False, 1), (True, 1), (True, 2)])
 def test_every_product_path_matches_hugging_face(gqa_target_dir, family_dir, packed, threads, cpu_kernels):
-    """Projections run through MKL ([in, out]) or oneDNN (packed) depending on rows and threads
-    (specdec.model.linear): prefill, single-row decode steps and a batch of decode steps all agree
-    with Hugging Face on each path, biases (Qwen) included, with the small ops in C or torch."""
+    """Projections run through the C kernels' panels, or (torch's ops) MKL ([in, out]) or oneDNN
+    (packed) depending on rows and threads (specdec.model.linear): prefill, single-row decode steps
+    and a batch of decode steps all agree with Hugging Face on each path, biases (Qwen) included."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for model_dir in (gqa_target_dir, family_dir):
             ours = load_model(model_dir, packed_weights=packed, cpu_kernels=cpu_kernels)
-            expect_packed = packed and onednn_available(torch.device("cpu"), torch.float32)
+            # With the C kernels every pass multiplies by their panels: no oneDNN copy is kept.
+            expect_packed = packed and ours.kernels is None and onednn_available(torch.device("cpu"), torch.float32)
             for projection in (ours.weights.lm_head, ours.weights.layers[0].qkv):
                 assert (projection.packed is not None) == expect_packed
+                assert (projection.panels is not None) == (ours.kernels is not None)
             gen = torch.Generator().manual_seed(1)
             ids = torch.randint(0, ours.config.vocab_size, (2, 20), generator=gen)
             ref = hf_logits(model_dir, ids)

@@ -6,6 +6,7 @@ exercises the real command, actors included, without paying for a second Ray sta
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import queue
 import signal
@@ -21,12 +22,18 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
 from coordinator.metrics import RoundMetrics  # noqa: E402
+from coordinator.server import SERVICE_NAME  # noqa: E402
 from specdec import LocalEngine, ServiceConfig  # noqa: E402
+from specdec.config import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
 from specdec.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
+from gates import wait_until  # noqa: E402
+from test_near_ties import NEW_TOKENS, scan_near_ties  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [3, 17, 42, 5, 99, 7, 3, 17]
@@ -135,10 +142,11 @@ def test_overlapped_drafting_on_ray_actors_serves_the_serial_tokens(ray_cluster,
             stream.cancel()
         params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=11)
         assert sampled == serial.generate([PROMPT], params)[0].token_ids
-        end = time.monotonic() + 15  # releases go with the next round or an idle flush
-        while (snap := ray.get(dep.coordinator.metrics_snapshot.remote(), timeout=10))["kv_blocks_used"] != 0:
-            assert time.monotonic() < end, "target KV blocks still in use after the cancelled stream"
-            time.sleep(0.2)
+        # Releases go with the next round or an idle flush.
+        snapshot = lambda: ray.get(dep.coordinator.metrics_snapshot.remote(), timeout=10)  # noqa: E731
+        assert wait_until(lambda: snapshot()["kv_blocks_used"] == 0), \
+            "target KV blocks still in use after the cancelled stream"
+        snap = snapshot()
         assert snap["predraft_tokens"] > 0 and 0 <= snap["predraft_kept"] <= snap["predraft_tokens"]  # pre-drafts sent
     finally:
         dep.drain_and_stop(grace_s=2)
@@ -173,6 +181,12 @@ def test_round_callback_with_and_without_ray(models):
     assert snap["kv_blocks_used"] == 0 and snap["running"] == 0 and snap["queue_depth"] == 0
     assert exported.snapshot()["generated_tokens"] == 17
     exported.close()
+
+
+def health_status(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
 
 
 def _reader(stream, lines: queue.Queue) -> None:
@@ -223,27 +237,30 @@ def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, mod
         n = MAX_POS - len(PROMPT) - 16  # long: ~1000 target-only rounds
         request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=n, ignore_eos=True,
                                                  num_speculative_tokens=0)
+        target_pid = ray.get(ray.get_actor("specdec-sigterm-target", namespace="specdec").pid.remote(), timeout=30)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)
         first = next(stream)  # the request is running
         tokens = list(first.token_ids)
-        proc.send_signal(signal.SIGTERM)
-        _wait_line(lines, "draining", 30, seen)
-
-        # Draining: new requests are refused (UNAVAILABLE) while the first one is still streaming.
-        # The "draining" line is printed just before the coordinator is told, so allow a moment.
-        refused = None
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as other:
-            stub = generation_pb2_grpc.GenerationStub(other)
-            for _ in range(100):
-                try:
-                    list(stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2),
-                                       timeout=30))
-                except grpc.RpcError as e:
-                    refused = e
-                    break
-                time.sleep(0.05)
-        assert refused is not None and refused.code() == grpc.StatusCode.UNAVAILABLE
+        # It stays in flight while the drain is checked, however fast the machine: its target
+        # worker (another process, no gate reaches it) is stopped until then; a round waits for it
+        # (the round deadline is 30 s), and ~1000 rounds are far more than the moment before this.
+        os.kill(target_pid, signal.SIGSTOP)
+        try:
+            proc.send_signal(signal.SIGTERM)
+            _wait_line(lines, "draining", 30, seen)
+            # Draining: new requests are refused (UNAVAILABLE) while the first one is still streaming.
+            # The "draining" line is printed just before the coordinator is told; health says
+            # NOT_SERVING once it drains (a request sent before could be let in, and wait on the
+            # stopped worker).
+            assert wait_until(lambda: health_status(port) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as other:
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(generation_pb2_grpc.GenerationStub(other).Generate(
+                        generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            os.kill(target_pid, signal.SIGCONT)
 
         last = first
         for response in stream:
@@ -296,3 +313,27 @@ def test_a_worker_port_taken_before_it_binds_starts_again_on_new_ports(monkeypat
     with pytest.raises(RuntimeError, match="missing"):
         ray_actors.launch(ServiceConfig.from_settings())
     assert len(calls) == 1
+
+
+def test_near_tie_prompts_served_concurrently_on_ray_actors_give_the_target_alones_tokens(ray_cluster):
+    """The Ray path of tests/test_near_ties.py: the shipped pair on its own actors, the near-tie
+    prompts sent at once with K from 0 to 5 (one stream each, arriving while the others decode)."""
+    from specdec.app.ray_actors import launch
+
+    prompts, want = scan_near_ties()
+    dep = launch(ServiceConfig.from_settings(target=str(SHIPPED_TARGET), draft=str(SHIPPED_DRAFT), adaptive=False,
+                                             num_speculative_tokens=5, host="127.0.0.1", port=0, http_port=0,
+                                             name="specdec-near-ties", worker_cpus=0.5, kv_cache_blocks=256))
+    try:
+        def serve(i: int) -> list[int]:
+            request = generation_pb2.GenerateRequest(prompt_token_ids=prompts[i], max_new_tokens=NEW_TOKENS,
+                                                     ignore_eos=True, num_speculative_tokens=i % 6)
+            with grpc.insecure_channel(f"127.0.0.1:{dep.port}") as channel:
+                stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)
+                return [t for response in stream for t in response.token_ids]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(serve, range(len(prompts))))
+    finally:
+        dep.drain_and_stop(grace_s=2)
+    assert got == want

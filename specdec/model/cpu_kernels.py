@@ -1,15 +1,18 @@
-"""specdec's C kernels (cpu_kernels.c) for the small ops of a float32 forward pass on CPU.
+"""specdec's C kernels (cpu_kernels.c) for a float32 forward pass on CPU, behind typed functions.
 
 The library is compiled on first use with the system's C compiler ($CC, else cc) for this CPU
-(-march=native) and loaded with ctypes: the C file needs only libc and libm and compiles in well
-under a second, where a torch C++ extension would take a minute of header parsing on every fresh
-machine. It is kept in specdec's cache ($SPECDEC_CACHE_DIR/kernels, default ~/.cache/specdec/kernels)
-under a name that hashes
-the source, the flags, the compiler's version and the CPU's model and feature flags, so a cache
-shared between machines never loads code built for another CPU; it is written to a temporary
-file and renamed, so workers compiling at once never load a half-written library. Without a
-compiler, or when the build fails, load_cpu_kernels() returns None after one warning and models
-run torch's ops instead (the same results to float32 rounding).
+(-march=native) and loaded with ctypes: the C file needs only libc, libm and OpenMP (the libgomp
+that torch already loaded, so both share one thread pool) and compiles in about a second, where a
+torch C++ extension would take a minute of header parsing on every fresh machine. It is kept in
+specdec's cache ($SPECDEC_CACHE_DIR/kernels, default ~/.cache/specdec/kernels) under a name that
+hashes the source, the flags, the compiler's version and the CPU's model and feature flags, so a
+cache shared between machines never loads code built for another CPU; it is written to a
+temporary file and renamed, so workers compiling at once never load a half-written library.
+Without a compiler, or when the build fails, load_cpu_kernels() returns None after one warning and
+models run torch's ops instead (the same results to float32 rounding, but not batch-invariant).
+
+C checks nothing, so `CpuKernels` does, before each call: every tensor is float32 (int64 for
+indices), contiguous and on the CPU, and the sizes C is told come from the tensors' own shapes.
 """
 from __future__ import annotations
 
@@ -22,19 +25,121 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from specdec.config import cache_dir
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {  # argument types of each C function, in cpu_kernels.c's order
-    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F],
-    "silu_mul": [_P, _P, _I, _I],
-    "rope_store_kv": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P],
-    "attend": [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P, _P],
+SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kernels.c's order
+    "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F], None),
+    "silu_mul": ([_P, _P, _I, _I], None),
+    "rope_store_kv": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P], None),
+    "attend": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P], ctypes.c_int),
+    "panel_width": ([], _I),
+    "matmul": ([_P, _I, _I, _P, _I, _P, _P], None),
 }
+
+
+class KernelArgumentError(ValueError):
+    """A tensor that C would read or write out of bounds, or in the wrong format."""
+
+
+def _ptr(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise KernelArgumentError(f"expected a contiguous CPU {dtype} tensor, got {t.dtype} {tuple(t.shape)} "
+                                  f"(contiguous: {t.is_contiguous()}, device: {t.device})")
+    return t.data_ptr()
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise KernelArgumentError(what)
+
+
+class PanelWeight:
+    """A projection's weight [K, N] in the C kernels' column panels ([ceil(N / P)][K][P], P =
+    panel width, zeros past N) with its optional bias [N]."""
+
+    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, width: int):
+        k, n = weight_in_out.shape
+        count = -(-n // width)
+        padded = torch.nn.functional.pad(weight_in_out.float(), (0, count * width - n))
+        self.panels = padded.view(k, count, width).transpose(0, 1).contiguous()  # [count, K, width]
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.in_features, self.out_features = k, n
+
+
+class CpuKernels:
+    """The C functions, each taking tensors (shapes in each docstring)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._lib = library
+        self.panel_width = int(library.panel_width())
+
+    def pack(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
+        """weight [K, N] (bias [N]) -> the panels `matmul` reads."""
+        return PanelWeight(weight_in_out, bias, self.panel_width)
+
+    def matmul(self, x: torch.Tensor, weight: PanelWeight, out: torch.Tensor) -> torch.Tensor:
+        """out [M, N] = x [M, K] @ weight (+ its bias); returns out."""
+        m, k = x.shape
+        _expect(k == weight.in_features and tuple(out.shape) == (m, weight.out_features),
+                f"matmul: x {tuple(x.shape)} @ [{weight.in_features}, {weight.out_features}] -> out {tuple(out.shape)}")
+        bias = None if weight.bias is None else weight.bias.data_ptr()
+        self._lib.matmul(_ptr(x), m, k, weight.panels.data_ptr(), weight.out_features, bias, _ptr(out))
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
+                     eps: float) -> None:
+        """x [T, H] += delta [T, H] (None: nothing to add), then out [T, H] = RMSNorm(x) * weight [H]."""
+        rows, dim = x.shape
+        _expect(tuple(weight.shape) == (dim,) and out.shape == x.shape and (delta is None or delta.shape == x.shape),
+                f"add_rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+        self._lib.add_rms_norm(_ptr(x), None if delta is None else _ptr(delta), _ptr(weight), _ptr(out), rows, dim,
+                               eps)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, I] = silu(gate) * up, gate_up [T, 2 I] (gate first)."""
+        rows, inter = out.shape
+        _expect(tuple(gate_up.shape) == (rows, 2 * inter), f"silu_mul: {tuple(gate_up.shape)} -> {tuple(out.shape)}")
+        self._lib.silu_mul(_ptr(gate_up), _ptr(out), rows, inter)
+
+    def rope_store_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, head_norm: torch.Tensor | None, eps: float,
+                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Rotate q and k of qkv [T, (H + 2 Hkv) D] in place by positions [T] (cos, sin [P, D]), after
+        head_norm [H + Hkv, D] (Qwen3; None: none); write k and v to the cache rows slots [T] of
+        k_cache, v_cache [blocks, block size, Hkv, D]."""
+        tokens, dim = qkv.shape[0], cos.shape[1]
+        _expect(qkv.shape[1] == (heads + 2 * kv_heads) * dim and tuple(positions.shape) == (tokens,)
+                and tuple(slots.shape) == (tokens,) and sin.shape == cos.shape
+                and k_cache.shape[2:] == (kv_heads, dim) and v_cache.shape == k_cache.shape
+                and (head_norm is None or tuple(head_norm.shape) == (heads + kv_heads, dim)),
+                f"rope_store_kv: qkv {tuple(qkv.shape)}, {heads}/{kv_heads} heads of {dim}, "
+                f"cache {tuple(k_cache.shape)}")
+        self._lib.rope_store_kv(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(positions, torch.int64), _ptr(cos),
+                                _ptr(sin), None if head_norm is None else _ptr(head_norm), eps,
+                                _ptr(slots, torch.int64), _ptr(k_cache), _ptr(v_cache))
+
+    def attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, token_seqs: torch.Tensor,
+               positions: torch.Tensor, kv_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float, out: torch.Tensor) -> None:
+        """out [T, H D] = causal attention of the rotated q in qkv [T, (H + 2 Hkv) D] over the cache rows
+        kv_slots [B, L] of each token's sequence token_seqs [T], keys 0..positions[t]."""
+        tokens, dim = qkv.shape[0], k_cache.shape[-1]
+        _expect(qkv.shape[1] == (heads + 2 * kv_heads) * dim and tuple(out.shape) == (tokens, heads * dim)
+                and tuple(token_seqs.shape) == (tokens,) and tuple(positions.shape) == (tokens,)
+                and kv_slots.dim() == 2 and k_cache.shape == v_cache.shape and heads % kv_heads == 0,
+                f"attend: qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, kv_slots {tuple(kv_slots.shape)}")
+        status = self._lib.attend(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(token_seqs, torch.int64),
+                                  _ptr(positions, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
+                                  _ptr(k_cache), _ptr(v_cache), scale, _ptr(out))
+        if status != 0:
+            raise MemoryError("attend: no memory for the attention scores")
 
 
 def _cpu_identity() -> str:
@@ -67,16 +172,16 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def load_cpu_kernels() -> ctypes.CDLL | None:
-    """The loaded library (each function's argument types set), or None where it cannot be built."""
+def load_cpu_kernels() -> CpuKernels | None:
+    """The kernels, or None where they cannot be built (after one warning)."""
     compiler = os.environ.get("CC", "cc")
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("specdec's CPU kernels are unavailable (%s); running torch's ops instead, "
-                    "which is slower for small models", error)
+        log.warning("specdec's CPU kernels are unavailable (%s); running torch's ops instead, which is "
+                    "slower for small models and not batch-invariant", error)
         return None
-    for name, argtypes in SIGNATURES.items():
+    for name, (argtypes, restype) in SIGNATURES.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
-    return library
+        function.argtypes, function.restype = argtypes, restype
+    return CpuKernels(library)

@@ -6,9 +6,10 @@ milliseconds of Python on a CPU. This runtime keeps only what inference needs: f
 gate/up products against [in, out] weights, a precomputed rotary table applied to q and k at once,
 one attention mask per pass, K/V written straight into cache blocks, and logits computed only for
 the positions the caller asks for. Each eager op costs ~10-30 us of framework time on a small CPU,
-so op count matters as much as FLOPs for the draft model: on CPU, passes of a few tokens (decode
-steps, verify passes) run the ops between the products in specdec's C kernels instead
-(model.kernel_forward), and this torch path serves prompts, GPUs and machines without a compiler.
+so op count matters as much as FLOPs for the draft model. On CPU in float32 every pass runs in
+specdec's C kernels instead (model.kernel_forward): fewer calls, and a fixed order of arithmetic
+that gives a token the same logits in any pass (batch-invariant). This torch path serves GPUs,
+other dtypes and machines without a C compiler.
 """
 from __future__ import annotations
 
@@ -125,6 +126,6 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
         raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
-    weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype, packed_weights)
     kernels = load_cpu_kernels() if cpu_kernels and torch.device(device).type == "cpu" else None
+    weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype, packed_weights, kernels)
     return Model(config, weights, device, torch_dtype, kernels)

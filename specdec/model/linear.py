@@ -43,11 +43,15 @@ def _pack(weight_in_out: torch.Tensor) -> torch.Tensor | None:
 
 class Projection:
     """y = x @ weight (+ bias): weight [in, out] (contiguous), bias [out] or None, and on CPU an
-    optional oneDNN-packed copy of the weight for the products it runs faster (module docstring)."""
+    optional oneDNN-packed copy of the weight for the products it runs faster (module docstring).
+    `panels`: the same weight in the C kernels' layout (model.cpu_kernels.PanelWeight), which the
+    kernel pass multiplies by instead (model.kernel_forward); None elsewhere."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,
+                 panels=None):
         self.weight = weight  # [in, out]
         self.bias = bias
+        self.panels = panels
         self.packed = _pack(weight) if packed else None
         # One row goes through the packed copy only where streaming, not the call, dominates.
         self.single_row_packed = (self.packed is not None

@@ -7,7 +7,8 @@ matrix than against the checkpoint's [out, in] one (`F.linear`); on GPU it makes
 A tied LM head is a transposed view of the embedding on GPU (no second copy); on CPU it gets a
 contiguous copy, since the one-row product against the view runs up to twice as slow.
 With `packed` (CPU only) every projection, the LM head included, also keeps a oneDNN-packed copy
-for products of several rows (specdec.model.linear).
+for products of several rows (specdec.model.linear). With `kernels` (specdec's C kernels, a float32
+CPU model) every projection keeps the C kernels' panels instead, which every pass then uses.
 """
 from __future__ import annotations
 
@@ -41,11 +42,17 @@ class ModelWeights:
 
 
 def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: torch.device | str,
-                  dtype: torch.dtype, packed: bool = True) -> ModelWeights:
+                  dtype: torch.dtype, packed: bool = True, kernels=None) -> ModelWeights:
     """raw: tensors by Hugging Face name (with or without the `model.` prefix), [out, in] matrices.
-    packed: also keep oneDNN-packed copies for multi-row products where oneDNN can (CPU, float32)."""
+    packed: also keep oneDNN-packed copies for multi-row products where oneDNN can (CPU, float32).
+    kernels: model.cpu_kernels.CpuKernels; every projection then keeps its panels (and no
+    oneDNN copy: the kernel pass never uses one)."""
     counted = 0
-    packed = packed and onednn_available(torch.device(device), dtype)
+    packed = packed and kernels is None and onednn_available(torch.device(device), dtype)
+
+    def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+        panels = kernels.pack(weight, bias) if kernels is not None else None
+        return Projection(weight, bias, packed, panels)
 
     def take(name: str) -> torch.Tensor:
         nonlocal counted
@@ -64,7 +71,7 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: tor
 
     def projection(weights: list[str], bias_names: list[str] | None) -> Projection:
         """The checkpoint's [out, in] matrices `weights`, stacked on out (one product for all)."""
-        return Projection(in_out(*weights), biases(*bias_names) if bias_names else None, packed)
+        return product(in_out(*weights), biases(*bias_names) if bias_names else None)
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layers = []
@@ -90,8 +97,7 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: tor
     embed = take("embed_tokens.weight")
     tied = config.tie_word_embeddings or not any(k in raw for k in ("lm_head.weight", "model.lm_head.weight"))
     if tied:
-        lm_head = Projection(embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t(),
-                             packed=packed)
+        lm_head = product(embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t(), None)
     else:
         lm_head = projection(["lm_head.weight"], None)
     final_norm = take("norm.weight")

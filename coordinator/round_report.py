@@ -42,6 +42,8 @@ class RoundReport:
     batch_size: int = 0  # requests in the round
     draft_seconds: float = 0.0  # in the draft worker's call (compute + transport)
     draft_catch_up: int = 0  # committed tokens the draft call fed beyond one round's worth (after K = 0)
+    draft_steps: int = 0  # draft steps the serial draft call took (its largest K)
+    draft_proposed: int = 0  # draft tokens it was asked for (the sum of its K's)
     target_prefill: int = 0  # context tokens the target was fed before verifying (first rounds, re-admissions)
     verify_seconds: float = 0.0  # in the target worker's call
     total_seconds: float = 0.0  # the whole step

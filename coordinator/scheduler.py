@@ -36,7 +36,7 @@ from coordinator.errors import WorkerUnavailable
 from coordinator.predraft import PreDraft, concat_proposals
 from coordinator.predraft_gate import PreDraftGate
 from coordinator.request import Request, RequestStats, RunningRequest
-from coordinator.round_costs import RoundCosts, measure_round_costs
+from coordinator.round_costs import RoundCosts
 from coordinator.round_report import RequestUpdate, RoundReport
 from coordinator.speculation_policy import PolicyRequest, SpeculationPolicy
 from coordinator.text_stream import TextStream
@@ -57,9 +57,7 @@ def reference_draft_cost(target: TargetInfo, draft: DraftInfo | None) -> float:
 
 
 class Scheduler:
-    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, config: SchedulerConfig,
-                 costs: RoundCosts | None = None):
-        """`costs`: what rounds cost here, for the adaptive policy; None measures them now."""
+    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, config: SchedulerConfig):
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -88,9 +86,8 @@ class Scheduler:
         self.draft_health = WorkerHealth("draft", config.worker_recovery_timeout)
         self.policy: SpeculationPolicy | None = None
         if config.adaptive and draft is not None and config.num_speculative_tokens > 0:
-            if costs is None:
-                costs = measure_round_costs(target, draft, self.max_seq_len, config.max_batch_size,
-                                            config.num_speculative_tokens)
+            k = config.num_speculative_tokens
+            costs = RoundCosts(max_fed=config.max_batch_size * (k + 1), max_steps=k)  # learnt as rounds run
             self.policy = SpeculationPolicy(costs, reference_draft_cost(self.target_info, self.draft_info))
         self._overlap = None  # the one thread that sends pre-drafts while the target verifies
         if config.overlap and draft is not None and config.num_speculative_tokens > 0:
@@ -272,8 +269,7 @@ class Scheduler:
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
         asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=self._seeded(run),
-                              backlog=run.draft_backlog,
-                              remaining=run.remaining_tokens)
+                              backlog=run.draft_backlog)
                 for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 
@@ -459,6 +455,8 @@ class Scheduler:
             return proposals
         finished, self._release_draft = self._release_draft, []
         report.draft_catch_up = sum(self.running[t.req_id].draft_backlog for t in tasks if t.num_speculative_tokens)
+        report.draft_steps = max((t.num_speculative_tokens for t in tasks), default=0)
+        report.draft_proposed = sum(t.num_speculative_tokens for t in tasks)
         start = time.perf_counter()
         try:
             replies = self.draft.propose(tasks, finished)

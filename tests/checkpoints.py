@@ -122,15 +122,22 @@ class JumpingK:
 
 
 def cheap_drafting_policy():
-    """The real speculation policy on a cost model where drafting is cheap, so that it does
-    speculate with tiny test models (whose measured draft and target steps cost about the same)
-    and moves K with each request's acceptance."""
+    """The real speculation policy on fixed costs where drafting is cheap (a verified token 5% of a
+    pass, a draft step 5%), so that it does speculate with tiny test models (whose draft and target
+    steps cost about the same) and moves K with each request's acceptance."""
     from coordinator.round_costs import RoundCosts
     from coordinator.speculation_policy import SpeculationPolicy
 
-    costs = RoundCosts(batch_sizes=[1, 64], verify_tokens=[1, 9], verify_grid=[[1.0, 1.4], [2.0, 2.8]],
-                       draft_step=[0.05, 0.1])
-    return SpeculationPolicy(costs, reference_draft_cost=0.05)
+    class CheapDrafting(RoundCosts):
+        rounds_seen = 1e9
+
+        def coefficients(self):
+            return (1.0, 0.05, 0.0, 0.02, 0.05, 0.0, 0.001, 0.0)
+
+        def observe(self, *args, **kwargs):
+            pass
+
+    return SpeculationPolicy(CheapDrafting(max_fed=64, max_steps=8), reference_draft_cost=0.05)
 
 
 def use_policy(engine, policy: str):

@@ -18,7 +18,6 @@ from transformers import PreTrainedTokenizerFast
 from specdec import LocalEngine, SamplingParams
 from specdec.app.bench.command import _model_problem
 from specdec.app.bench.runners import load_hf
-from specdec.app.cost_cache import _checkpoint_fingerprint
 from specdec.app.flags import SERVE_SETTINGS, add_settings
 from specdec.app.serve import ServeError, build_config
 from specdec.model import ModelSourceError, load_model, resolve_model_source
@@ -324,16 +323,6 @@ def test_serve_accepts_every_source_and_refuses_bad_ones(hub_cache, gguf_files, 
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     with pytest.raises(ServeError, match="unsupported model family 'gpt2'"):
         build_config(_serve_args(["--target", str(tmp_path / "bad")]))
-
-
-def test_cost_cache_fingerprints_every_source(hub_cache, gguf_files, hf_checkpoints):
-    path, _ = gguf_files["llama_gqa", "Q8_0"]
-    stat = path.stat()
-    assert _checkpoint_fingerprint(str(path)) == [str(path.resolve()), ("model.gguf", stat.st_size, stat.st_mtime_ns)]
-    hub = _checkpoint_fingerprint("acme/tiny-llama")
-    assert COMMIT in hub[0] and any(entry[0] == "model.safetensors" for entry in hub[1:])
-    assert _checkpoint_fingerprint("ngram") == ["ngram"] and _checkpoint_fingerprint(None) == [None]
-    assert _checkpoint_fingerprint(str(hf_checkpoints["llama_gqa"])) != _checkpoint_fingerprint(str(path))
 
 
 def test_bench_takes_gguf_files_and_hub_ids(hub_cache, gguf_files):

@@ -77,7 +77,8 @@ def test_greedy_with_overlap_is_the_target_output_in_process(models, plain_outpu
     use_policy(engine, policy)
     predraft_always(engine.scheduler)
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == plain_outputs
-    assert tally.kept > 0 and tally.hits > 0, "no pre-draft was kept: the overlap path was not exercised"
+    if (drafter, policy) != ("ngram", "adaptive"):  # (lookups that find nothing soon stop being asked for)
+        assert tally.kept > 0 and tally.hits > 0, "no pre-draft was kept: the overlap path was not exercised"
     assert tally.misses > 0 or drafter == "ngram"  # dropped pre-drafts too (a close, not identical, draft)
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)
     assert not engine.scheduler._pending and not engine.scheduler._ready

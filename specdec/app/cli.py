@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "generate": ("specdec.app.generate", "stream a completion from a running server to the terminal"),
     "bench": ("specdec.app.bench.command", "benchmark speculative vs plain decoding and Hugging Face"),
     "bench-step": ("specdec.app.bench.step_command", "decode step vs its physical floor and vs HF (real shape)"),
+    "bench-policy": ("specdec.app.bench.policy_command", "adaptive K vs the best fixed K, on a family of pairs"),
     "loadtest": ("specdec.app.loadtest", "bounded concurrent-stream load test: latency, throughput, no loss, KV freed"),
 }
 

@@ -13,21 +13,14 @@ from coordinator.clients import DraftClient, TargetClient
 from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient, WireCounter
 from coordinator.scheduler import Scheduler
 from draft_worker.worker import DraftWorker
-from specdec.app.cost_cache import load_costs, save_costs
 from specdec.config import NGRAM, ServiceConfig
 from specdec.tokenizer import load_tokenizer
 from target_worker.worker import TargetWorker
 
 
-def build_scheduler(config: ServiceConfig, target: TargetClient, draft: DraftClient | None,
-                    transport: str) -> Scheduler:
-    """A Scheduler on these workers; the adaptive policy's round costs come from the cache, or
-    are measured now and cached (per model pair, device and `transport`: "local" | "grpc")."""
-    costs = load_costs(config, transport)
-    scheduler = Scheduler(target, draft, load_tokenizer(config.target.model), config.scheduler, costs)
-    if costs is None and scheduler.policy is not None:
-        save_costs(config, transport, scheduler.policy.costs)
-    return scheduler
+def build_scheduler(config: ServiceConfig, target: TargetClient, draft: DraftClient | None) -> Scheduler:
+    """A Scheduler on these workers (the adaptive policy learns what rounds cost as they run)."""
+    return Scheduler(target, draft, load_tokenizer(config.target.model), config.scheduler)
 
 
 class LocalSchedulerFactory:
@@ -44,7 +37,7 @@ class LocalSchedulerFactory:
     def __call__(self) -> Scheduler:
         self.target_worker = TargetWorker.from_config(self.config.target)
         self.draft_worker = DraftWorker.from_config(self.config.draft)
-        return build_scheduler(self.config, self.target_worker, self.draft_worker, "local")
+        return build_scheduler(self.config, self.target_worker, self.draft_worker)
 
     def close(self) -> None:
         pass
@@ -75,7 +68,7 @@ class GrpcSchedulerFactory:
         try:
             for client in self._clients():
                 client.wait_ready(self.connect_timeout_s)
-            return build_scheduler(self.config, self.target_client, self.draft_client or self.local_draft, "grpc")
+            return build_scheduler(self.config, self.target_client, self.draft_client or self.local_draft)
         except BaseException:
             self.close()
             raise

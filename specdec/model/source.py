@@ -14,7 +14,7 @@ A *model spec* is the string given as `--target` / `--draft`, `LocalEngine(targe
 something shaped like owner/name[@revision] that is no existing path) and returns a `ModelSource`,
 which gives the runtime what it needs in one vocabulary whatever the source: the config as
 `config.json` fields, the tensors by Hugging Face name, the tokenizer and the chat template.
-Everything that loads a model, a tokenizer or fingerprints a checkpoint goes through it.
+Everything that loads a model or a tokenizer goes through it.
 """
 from __future__ import annotations
 
@@ -69,16 +69,6 @@ class ModelSource(ABC):
     def chat_template(self) -> str | None:
         """The Jinja chat template the source ships, or None."""
 
-    @abstractmethod
-    def _files(self) -> list[Path]:
-        """The files the model is read from."""
-
-    def fingerprint(self) -> list:
-        """What identifies these weights on this machine: the resolved path and the name, size and
-        modification time of every file the model is read from."""
-        files = self._files()
-        return [str(self.path.resolve())] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r} -> {str(self.path)!r})"
 
@@ -128,9 +118,6 @@ class CheckpointDirectory(ModelSource):
             return template if isinstance(template, str) else None
         return None
 
-    def _files(self) -> list[Path]:
-        return sorted(p for p in self.path.iterdir() if p.suffix in (".safetensors", ".json", ".jinja"))
-
 
 class GGUFFile(ModelSource):
     """One .gguf file: config, tokenizer and (possibly quantized) weights from its metadata and tensors."""
@@ -163,9 +150,6 @@ class GGUFFile(ModelSource):
     @property
     def chat_template(self) -> str | None:
         return self._file.chat_template
-
-    def _files(self) -> list[Path]:
-        return [self.path]
 
 
 def hub_cache_dir() -> Path:

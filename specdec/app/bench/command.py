@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs of every system per row, in mirrored order (the systems forward, then "
                              "backward, ...) and pooled, so a machine that speeds up or slows down during a row "
                              "moves every system alike (default 2; 1 with --quick)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also run every fixed K from 1 to K for each adaptive system and row, and print the "
+                             "adaptive row's ratio to the best of plain and those (specdec bench-policy always does)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     overlap_bench.add_arguments(parser)
 
@@ -180,6 +183,53 @@ def _kv_blocks(prompts: list[list[int]], max_new: int, max_k: int, max_batch: in
     """Room for a full batch of the longest prompt plus its output and draft tokens."""
     tokens = max(len(p) for p in prompts) + max_new + max_k + 2
     return max_batch * (blocks_for_tokens(tokens, WorkerConfig().kv_block_size) + 2) + 8
+
+
+def _oracle_row(built: dict, systems: list[str], results: list, set_name: str, mode, batch: int,
+                prompts: list[list[int]], max_new: int, k: int, repeats: int, seed: int, target: str, draft: str,
+                kv_blocks: int, max_batch: int) -> list[dict]:
+    """--oracle: for each adaptive system of this row, every fixed K from 1 to k (its fixed twin,
+    built if it was not asked for), and the best of plain and those beside the adaptive figure."""
+    from specdec.app.bench.runners import SYSTEMS, EngineSystem, pool_runs
+
+    def row_result(key: str):
+        return next(r for r in reversed(results) if r.system == key and r.batch == batch and r.mode == mode.name
+                    and r.prompt_set == set_name)
+
+    out = []
+    for key in [s for s in systems if SYSTEMS[s].adaptive]:
+        fixed_key = f"{key}-fixed"
+        if fixed_key not in built:
+            drafter = NGRAM if SYSTEMS[key].drafter == "ngram" else draft
+            built[fixed_key] = EngineSystem(fixed_key, target, drafter, k, kv_blocks, max_batch, adaptive=False)
+        rates = {}
+        for kk in range(1, k + 1):
+            runs = []
+            for _ in range(repeats):
+                built[fixed_key].warm_up(prompts, batch, mode, seed, k=kk)
+                runs.append(built[fixed_key].run(prompts, batch, mode, max_new, seed, k=kk, prompt_set=set_name))
+            rates[f"K={kk}"] = pool_runs(runs).tokens_per_s
+        plain = row_result("engine").tokens_per_s if "engine" in systems else None
+        if plain:
+            rates["plain"] = plain
+        best = max(rates, key=rates.get)
+        adaptive = row_result(key).tokens_per_s
+        out.append({"system": key, "prompt_set": set_name, "batch": batch, "mode": mode.name, "adaptive": adaptive,
+                    "fixed": {n: v for n, v in rates.items() if n != "plain"}, "plain": plain, "best": best,
+                    "best_tokens_per_s": rates[best], "adaptive_vs_best": adaptive / rates[best]})
+    return out
+
+
+def _format_oracle(rows: list[dict]) -> str:
+    lines = ["the adaptive policy against the best of plain and every fixed K, measured in this run (--oracle):"]
+    for r in rows:
+        lines.append(f"  {r['prompt_set']:6s} b{r['batch']} {r['mode']:6s} {r['system']:11s} adaptive "
+                     f"{r['adaptive']:7.1f} tok/s, best {r['best']:6s} {r['best_tokens_per_s']:7.1f} tok/s -> "
+                     f"{r['adaptive_vs_best']:.2f}x")
+    worst = min(rows, key=lambda r: r["adaptive_vs_best"])
+    lines.append(f"  worst: {worst['adaptive_vs_best']:.2f}x ({worst['prompt_set']} b{worst['batch']} {worst['mode']} "
+                 f"{worst['system']})")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -316,7 +366,7 @@ def run(args) -> int:
     # systems run `repeats` times in mirrored order and each one's runs are pooled: on a shared
     # machine whose speed drifts by 10-20% within a minute, one run per system compared runs taken
     # at different speeds; mirrored, a linear drift weighs every system alike.
-    results = []
+    results, oracle = [], []
     rows = [] if args.sweep_only else [(n, m, b) for n in prompt_sets for m in modes for b in batch_sizes]
     total_tokens = repeats * sum(max_new * len(prompt_sets[n][0]) for n, m, b in rows for s in systems
                                  if not (SYSTEMS[s].batch1_only and b != 1))
@@ -332,6 +382,9 @@ def run(args) -> int:
                     runs[key].append(built[key].run(prompts, batch, mode, max_new, args.seed, bar=overall,
                                                     prompt_set=set_name))
             results += [pool_runs(runs[key]) for key in systems]
+            if args.oracle:
+                oracle += _oracle_row(built, systems, results, set_name, mode, batch, prompts, max_new, k, repeats,
+                                      args.seed, target, draft, kv_blocks, max(batch_sizes))
     finally:
         overall.close()
 
@@ -392,6 +445,9 @@ def run(args) -> int:
         print(report.format_breakdown(results))
         print()
         print(report.format_targets(targets))
+        if oracle:
+            print()
+            print(_format_oracle(oracle))
         hf_assisted_skipped = any(r.skipped for r in results if r.system == "hf-assisted")
         if hf_assisted_skipped:
             print("note: HF assisted generation supports batch size 1 only; its batch > 1 rows are n/a")
@@ -431,6 +487,7 @@ def run(args) -> int:
         "sweep_baseline": [r.to_json() for r in sweep_baseline],
         "targets": targets,
         "overlap": [dataclasses.asdict(r) for r in overlap_rows],
+        "oracle": oracle,
     }
     json_path, png_path = out_dir / "bench.json", out_dir / "bench.png"
     report.write_json(json_path, payload)

@@ -10,7 +10,6 @@ token; `--timeline` adds where one round's time went (draft busy, target busy, w
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import multiprocessing
 import time
@@ -150,15 +149,13 @@ def run_overlap(target: str, draft: str, prompt_sets: dict, modes, batch_sizes, 
         try:
             target_client.wait_ready(), draft_client.wait_ready()
             log(f"overlap bench: workers in processes at {workers.addresses} ({threads} torch thread(s) each)")
-            first = Scheduler(target_client, draft_client, None, config.scheduler)  # measures the round costs
-            costs = first.policy.costs if first.policy is not None else None
             schedulers = {
                 "plain": Scheduler(target_client, None, None,
                                    dataclasses.replace(config.scheduler, num_speculative_tokens=0)),
                 "serial": Scheduler(target_client, draft_client, None,
-                                    dataclasses.replace(config.scheduler, overlap=False), copy.deepcopy(costs)),
+                                    dataclasses.replace(config.scheduler, overlap=False)),
                 "overlapped": Scheduler(target_client, draft_client, None,
-                                        dataclasses.replace(config.scheduler, overlap=True), copy.deepcopy(costs)),
+                                        dataclasses.replace(config.scheduler, overlap=True)),
             }
             counter = 0
             for set_name, prompts in prompt_sets.items():

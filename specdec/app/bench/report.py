@@ -33,17 +33,12 @@ def _code_draft_vs_plain(threshold: float, batch: int, mode: str) -> Target:
                   threshold, ("spec-draft",), "vs_engine_plain", "code", batch, mode)
 
 
-# What this release is measured against.
+# What this release is measured against (the policy's own target, adaptive >= 0.95x the best of
+# plain and every fixed K, is --oracle's and `specdec bench-policy`'s).
 TARGETS = [
     _code_draft_vs_plain(1.6, 1, "greedy"),
-    _code_draft_vs_plain(1.25, 1, "T=0.8"),
-    _code_draft_vs_plain(1.3, 8, "greedy"),
-    _code_draft_vs_plain(1.05, 8, "T=0.8"),
-    Target("code: draft >= 85% of theory, b1 greedy", "specdec + draft (adaptive): x plain / the best fixed K's "
-           "theory x, code prompts, batch 1, greedy", 0.85, ("spec-draft",), "share_of_theory", "code", 1, "greedy"),
-    Target("prose: spec >= 0.98x plain, worst row", "specdec + draft and + n-gram (adaptive) vs specdec plain, "
-           "tokens/s, prose prompts, every batch and mode", 0.98, ("spec-draft", "spec-ngram"), "vs_engine_plain",
-           "prose"),
+    Target("spec >= 0.95x plain, worst row", "specdec + draft and + n-gram (adaptive) vs specdec plain, "
+           "tokens/s, every prompt set, batch and mode", 0.95, ("spec-draft", "spec-ngram"), "vs_engine_plain"),
     Target("plain >= 1.0x HF, worst row", "specdec plain vs HF generate, tokens/s, every prompt set, batch and mode",
            1.0, ("engine",), "vs_hf_plain"),
 ]

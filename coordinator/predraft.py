@@ -89,4 +89,4 @@ def _pad_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
                 fill.append(candidate)
             candidate += 1
         rows.append(row + fill)
-    return torch.tensor(rows, dtype=ids.dtype)
+    return torch.tensor(rows, dtype=ids.dtype, device=ids.device)

@@ -71,7 +71,8 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
         scaled = (top / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
         if min(widths) < max(widths):
-            beyond = torch.arange(max(widths), device=logits.device)[None, :] >= torch.tensor(widths)[:, None]
+            beyond = (torch.arange(max(widths), device=logits.device)[None, :]
+                      >= torch.tensor(widths, device=logits.device)[:, None])
             scaled = scaled.masked_fill(beyond, float("-inf"))
         q = torch.softmax(scaled, dim=-1)
     else:
@@ -82,7 +83,7 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
             return tokens, {}
         ids, q = top_entries(probs[rows], max_q_entries)  # [S, n]
         widths = [ids.shape[1]] * len(rows)
-    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT)
+    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device)
     tokens[rows] = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
     return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}

@@ -34,7 +34,7 @@ def proposal_problem(task: VerifyTask, vocab_size: int) -> str | None:
     sums = probs.sum(dim=1)
     if ((sums - 1).abs() > _SUM_TOLERANCE).any():
         return f"q rows must sum to 1, got sums {[round(float(s), 6) for s in sums[:5]]}"
-    drafted = torch.tensor(task.draft_tokens, dtype=torch.long)[:, None]
+    drafted = torch.tensor(task.draft_tokens, dtype=torch.long, device=ids.device)[:, None]
     q_of_token = torch.where(ids == drafted, probs, torch.zeros_like(probs)).sum(dim=1)
     outside = (q_of_token <= 0).nonzero().flatten().tolist()
     if outside:

@@ -58,14 +58,14 @@ def padded_proposals(tasks: list[VerifyTask], positions: int, device) -> tuple[t
     """Every task's sparse q in one [B, positions, n] pair (ids, probs); padding has probability 0
     (greedy tasks, and positions beyond a task's draft, are all padding)."""
     width = max([t.q.token_ids.shape[1] for t in tasks if t.q is not None and t.draft_tokens], default=1)
-    ids = torch.zeros(len(tasks), positions, width, dtype=torch.long)
-    probs = torch.zeros(len(tasks), positions, width)
+    ids = torch.zeros(len(tasks), positions, width, dtype=torch.long, device=device)
+    probs = torch.zeros(len(tasks), positions, width, device=device)
     for row, task in enumerate(tasks):
         if task.q is not None and task.draft_tokens:
             k, n = task.q.token_ids.shape
-            ids[row, :k, :n] = task.q.token_ids
-            probs[row, :k, :n] = task.q.probs
-    return ids.to(device), probs.to(device)
+            ids[row, :k, :n] = task.q.token_ids.to(device, non_blocking=True)
+            probs[row, :k, :n] = task.q.probs.to(device, non_blocking=True)
+    return ids, probs
 
 
 def padded_logits(logits: list[torch.Tensor], positions: int) -> torch.Tensor:
@@ -78,8 +78,9 @@ def padded_logits(logits: list[torch.Tensor], positions: int) -> torch.Tensor:
     return padded
 
 
-def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+def pad_rows(rows: list[list[int]], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long,
+                        device=device).reshape(len(rows), width)
 
 
 class TargetWorker:
@@ -178,7 +179,7 @@ class TargetWorker:
         tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            u = uniforms([seqs[i].seed for i in rows], [len(seqs[i].tokens) for i in rows], TARGET)
+            u = uniforms([seqs[i].seed for i in rows], [len(seqs[i].tokens) for i in rows], TARGET, probs.device)
             tokens[rows] = sample_from_probs(probs[rows], u)
         return tokens.tolist()
 
@@ -194,11 +195,12 @@ class TargetWorker:
         padded = padded_logits(logits, k_max + 1)
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
             return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])
-        draft = pad_rows([t.draft_tokens for t in tasks], k_max).to(device)
+        draft = pad_rows([t.draft_tokens for t in tasks], k_max, device)
+        proposed = torch.tensor(num_proposed, device=device)
         presence = None
         if any(x.repetition_penalty != 1.0 for x in params):
             base = presence_mask([s.tokens for s in seqs], vocab, device)
-            presence = presence_for_positions(base, draft, torch.tensor(num_proposed)).flatten(0, 1)
+            presence = presence_for_positions(base, draft, proposed).flatten(0, 1)
         batch_params = BatchSamplingParams.from_params([x for x in params for _ in range(k_max + 1)], device)
         p = probs_from_logits(padded.flatten(0, 1), batch_params, presence).view(len(seqs), k_max + 1, vocab)
         q_ids, q_probs = padded_proposals(tasks, k_max, device)
@@ -206,9 +208,8 @@ class TargetWorker:
         # position only: what shares the batch, or how many tokens were proposed, changes nothing.
         seeds = [s.seed for s in seqs]
         positions = [[len(s.tokens) + i for i in range(k_max + 1)] for s in seqs]
-        u_accept = uniforms(seeds, positions, ACCEPT)[:, :k_max]
-        u_target = uniforms(seeds, positions, TARGET)
-        greedy = torch.tensor([x.greedy for x in params])
-        accepted, nxt = speculative_verify(p, q_ids, q_probs, draft, torch.tensor(num_proposed), greedy, u_accept,
-                                           u_target)
+        u_accept = uniforms(seeds, positions, ACCEPT, device)[:, :k_max]
+        u_target = uniforms(seeds, positions, TARGET, device)
+        greedy = torch.tensor([x.greedy for x in params], device=device)
+        accepted, nxt = speculative_verify(p, q_ids, q_probs, draft, proposed, greedy, u_accept, u_target)
         return accepted.tolist(), nxt.tolist()

@@ -48,8 +48,10 @@ def random_seed() -> int:
     return int.from_bytes(os.urandom(8), "little")
 
 
-def uniforms(seeds: Sequence[int], positions: np.ndarray | Sequence, purpose: str) -> torch.Tensor:
-    """Uniforms in [0, 1) as float64: row r at positions[r] for request seed seeds[r].
+def uniforms(seeds: Sequence[int], positions: np.ndarray | Sequence, purpose: str,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """Uniforms in [0, 1) as float64: row r at positions[r] for request seed seeds[r], made on
+    `device` (default the CPU; elsewhere by the same hash in torch, bit for bit: no copy per call).
 
     positions: [N] or [N, M] absolute token positions (the index of the token in prompt + output)
     -> a tensor of the same shape.
@@ -59,5 +61,30 @@ def uniforms(seeds: Sequence[int], positions: np.ndarray | Sequence, purpose: st
         raise ValueError("token positions are >= 0")
     keys = mix64(np.asarray([int(s) for s in seeds], dtype=np.uint64) ^ _SALT[purpose])
     keys = keys.reshape((len(keys),) + (1,) * (pos.ndim - 1))
+    if device is not None and torch.device(device).type != "cpu":
+        return _device_uniforms(keys, pos, torch.device(device))
     words = mix64(keys + (pos.astype(np.uint64) + np.uint64(1)) * _GAMMA)
     return torch.from_numpy((words >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+
+
+def _as_int64(words: np.ndarray) -> np.ndarray:
+    return words.astype(np.uint64).view(np.int64)
+
+
+def _lsr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 words holding uint64 bits (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _device_uniforms(keys: np.ndarray, pos: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The hash's last mix64 and the 53-bit scaling in torch on `device`: int64 arithmetic wraps
+    as uint64's does, so the bits are numpy's (tests compare them)."""
+    def signed(word: int) -> int:
+        return int(np.array(word, dtype=np.uint64).view(np.int64))
+
+    key = torch.from_numpy(_as_int64(keys)).to(device, non_blocking=True)
+    x = key + (torch.from_numpy(pos).to(device, non_blocking=True) + 1) * signed(_GAMMA)
+    x = (x ^ _lsr(x, 30)) * signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _lsr(x, 27)) * signed(0x94D049BB133111EB)
+    x = x ^ _lsr(x, 31)
+    return _lsr(x, 11).double() * 2.0 ** -53

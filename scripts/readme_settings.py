@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specdec.app.flags import settings_table
-from specdec.app.serve import DRAFT_DEFAULT_NOTE
+from specdec_app.flags import settings_table
+from specdec_app.serve import DRAFT_DEFAULT_NOTE
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- settings table: generated -->\n", "\n<!-- end of settings table -->"

@@ -26,324 +26,32 @@ Example::
 from __future__ import annotations
 
 import argparse
-import hashlib
-import inspect
 import json
 import math
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+from tokenizers import Tokenizer
+from transformers import LlamaForCausalLM
 
-BOS = "<|bos|>"
-EOS = "<|eos|>"
-
-# Model shapes.  Chosen from measurements on a 2-core CPU: the target costs
-# ~8 ms per batch-1 decode step, the 1-layer draft ~0.7-0.9 ms (c ~ 0.1).
-TARGET_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-                    num_key_value_heads=2, intermediate_size=1024)
-DRAFT_SHAPE = dict(hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=704)
-
-
-# --------------------------------------------------------------------------
-# corpus
-# --------------------------------------------------------------------------
-def is_heldout(rel: str, mod: int = 20) -> bool:
-    h = int(hashlib.md5(rel.encode("utf-8")).hexdigest()[:8], 16)
-    return h % mod == 0
+from pair_data import BOS, EOS, encode_docs, load_corpus, train_tokenizer, wrap_tokenizer, write_prompts
+from pair_training import (
+    DRAFT_SHAPE,
+    TARGET_SHAPE,
+    eval_windows,
+    evaluate,
+    make_config,
+    make_model,
+    n_params,
+    save_model,
+    train_timed,
+)
 
 
-def load_corpus(max_file_bytes: int = 400_000):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root).as_posix()
-        if "site-packages" in rel.split("/") or "dist-packages" in rel.split("/"):
-            continue
-        files.append((rel, p))
-    files.sort(key=lambda x: x[0])
-    train, held = [], []
-    for rel, p in files:
-        try:
-            raw = p.read_bytes()
-        except OSError:
-            continue
-        if not raw or len(raw) > max_file_bytes:
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        text = text.replace("\r\n", "\n")
-        (held if is_heldout(rel) else train).append((rel, text))
-    return root, train, held
-
-
-# --------------------------------------------------------------------------
-# tokenizer
-# --------------------------------------------------------------------------
-def train_tokenizer(texts, vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tok
-
-
-def wrap_tokenizer(tok):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        clean_up_tokenization_spaces=False,
-        model_max_length=1024,
-    )
-
-
-def encode_docs(tok, docs, bos_id, eos_id):
-    encs = tok.encode_batch([t for _, t in docs])
-    out = []
-    for e in encs:
-        out.append(bos_id)
-        out.extend(e.ids)
-        out.append(eos_id)
-    return np.asarray(out, dtype=np.int64)
-
-
-# --------------------------------------------------------------------------
-# models
-# --------------------------------------------------------------------------
-def make_config(shape, vocab_size, bos_id, eos_id, max_pos):
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-        initializer_range=0.02,
-        **shape,
-    )
-    return cfg
-
-
-def make_model(cfg):
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(cfg)
-
-
-def n_params(model) -> int:
-    # tied embeddings are counted once
-    return sum(p.numel() for p in model.parameters())
-
-
-def save_model(model, tok_fast, path: Path, save_dtype: str):
-    from transformers import GenerationConfig
-
-    path.mkdir(parents=True, exist_ok=True)
-    for f in path.iterdir():
-        if f.is_file():
-            f.unlink()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[save_dtype]
-    model = model.to(dtype)
-    cfg = model.config
-    try:
-        cfg.dtype = save_dtype
-    except Exception:  # older transformers
-        cfg.torch_dtype = save_dtype
-    model.generation_config = GenerationConfig(
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id, do_sample=False,
-    )
-    kwargs = {}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        kwargs["safe_serialization"] = True
-    model.save_pretrained(str(path), **kwargs)
-    tok_fast.save_pretrained(str(path))
-    # transformers 5 no longer writes this file; older versions read it.
-    (path / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
-    model.to(torch.float32)
-    assert (path / "model.safetensors").exists(), "expected model.safetensors"
-
-
-# --------------------------------------------------------------------------
-# training
-# --------------------------------------------------------------------------
-def lr_at(frac: float, peak: float, warm_frac: float, floor: float = 0.1) -> float:
-    if frac < warm_frac:
-        return peak * max(frac / warm_frac, 0.02)
-    p = min(1.0, (frac - warm_frac) / max(1e-9, 1.0 - warm_frac))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
-
-
-def sample_batch(data: np.ndarray, rng: np.random.Generator, bsz: int, seq: int):
-    starts = rng.integers(0, len(data) - seq - 1, size=bsz)
-    x = np.stack([data[s:s + seq + 1] for s in starts])
-    return torch.from_numpy(x)
-
-
-def make_optimizer(model, lr, wd):
-    decay, no_decay = [], []
-    for _name, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8,
-    )
-
-
-def train_timed(name, model, data, args, minutes, peak_lr, teacher=None, ce_w=1.0, kl_w=0.0, rng=None):
-    budget = minutes * 60.0
-    opt = make_optimizer(model, peak_lr, args.weight_decay)
-    model.train()
-    if teacher is not None:
-        teacher.eval()
-    t0 = time.time()
-    step, tokens = 0, 0
-    ema = None
-    bar = tqdm(total=int(budget), desc=f"train {name}", unit="s", dynamic_ncols=True, mininterval=5)
-    last_shown = 0
-    while True:
-        elapsed = time.time() - t0
-        frac = elapsed / budget
-        if frac >= 1.0 or (args.max_steps and step >= args.max_steps):
-            break
-        lr = lr_at(frac, peak_lr, args.warmup_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        xb = sample_batch(data, rng, args.batch_size, args.seq_len)
-        inp, tgt = xb[:, :-1], xb[:, 1:]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(input_ids=inp).logits
-            if teacher is not None:
-                with torch.no_grad():
-                    t_logits = teacher(input_ids=inp).logits
-        logits = logits.float().reshape(-1, logits.size(-1))
-        ce = F.cross_entropy(logits, tgt.reshape(-1))
-        loss = ce_w * ce
-        kl = torch.zeros(())
-        if teacher is not None:
-            t_lp = F.log_softmax(t_logits.float().reshape(-1, logits.size(-1)), dim=-1)
-            s_lp = F.log_softmax(logits, dim=-1)
-            kl = (t_lp.exp() * (t_lp - s_lp)).sum(-1).mean()
-            loss = loss + kl_w * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        step += 1
-        tokens += inp.numel()
-        v = ce.item()
-        ema = v if ema is None else 0.98 * ema + 0.02 * v
-        now = int(time.time() - t0)
-        if now > last_shown:
-            bar.update(min(now, int(budget)) - last_shown)
-            last_shown = min(now, int(budget))
-        post = dict(step=step, ce=f"{ema:.3f}", lr=f"{lr:.2e}",
-                    tok_s=f"{tokens / max(1e-9, time.time() - t0):.0f}")
-        if teacher is not None:
-            post["kl"] = f"{float(kl):.3f}"
-        bar.set_postfix(post, refresh=False)
-        if step % args.log_every == 0:
-            print(f"[{name}] step {step} elapsed {time.time() - t0:.0f}s ce_ema {ema:.4f} "
-                  f"kl {float(kl):.4f} lr {lr:.2e} tokens {tokens}", flush=True)
-    bar.close()
-    dt = time.time() - t0
-    print(f"[{name}] done: {step} steps, {tokens} tokens, {dt / 60:.1f} min, "
-          f"{tokens / max(dt, 1e-9):.0f} tok/s", flush=True)
-    model.eval()
-    return dict(steps=step, tokens=tokens, seconds=round(dt, 1))
-
-
-# --------------------------------------------------------------------------
-# evaluation
-# --------------------------------------------------------------------------
-def eval_windows(data: np.ndarray, n: int, seq: int):
-    n = min(n, max(1, (len(data) - 1) // (seq + 1)))
-    stride = (len(data) - seq - 1) // n
-    return torch.from_numpy(np.stack([data[i * stride:i * stride + seq + 1] for i in range(n)]))
-
-
-@torch.no_grad()
-def evaluate(model, windows, bsz=8):
-    """fp32 teacher-forced evaluation; returns (mean CE, argmax predictions)."""
-    model.eval()
-    tot, cnt, preds = 0.0, 0, []
-    for i in range(0, len(windows), bsz):
-        xb = windows[i:i + bsz]
-        logits = model(input_ids=xb[:, :-1]).logits.float()
-        tot += F.cross_entropy(logits.reshape(-1, logits.size(-1)), xb[:, 1:].reshape(-1),
-                               reduction="sum").item()
-        cnt += xb[:, 1:].numel()
-        preds.append(logits.argmax(-1))
-    return tot / cnt, torch.cat(preds)
-
-
-# --------------------------------------------------------------------------
-# held-out prompts
-# --------------------------------------------------------------------------
-def write_prompts(path: Path, held, tok, n_prompts: int, seed: int, lo=64, hi=200):
-    rng = random.Random(seed + 1234)
-    docs = [(r, t) for r, t in held if len(t) > 400]
-    out = []
-    attempts = 0
-    while len(out) < n_prompts and attempts < n_prompts * 50:
-        attempts += 1
-        rel, text = docs[rng.randrange(len(docs))]
-        lines = text.split("\n")
-        if len(lines) < 8:
-            continue
-        start = rng.randrange(0, max(1, len(lines) - 5))
-        target_len = rng.randint(lo + 16, hi - 8)
-        buf, ntok = [], 0
-        for ln in lines[start:]:
-            buf.append(ln + "\n")
-            ntok = len(tok.encode("".join(buf)).ids)
-            if ntok >= target_len:
-                break
-        prompt = "".join(buf)
-        while ntok > hi and len(buf) > 1:
-            buf.pop()
-            prompt = "".join(buf)
-            ntok = len(tok.encode(prompt).ids)
-        if not (lo <= ntok <= hi) or not prompt.strip():
-            continue
-        out.append({"prompt": prompt, "source": rel, "n_tokens": ntok})
-    with open(path, "w", encoding="utf-8") as f:
-        for o in out:
-            f.write(json.dumps(o, ensure_ascii=False) + "\n")
-    return len(out)
-
-
-# --------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="models")
@@ -388,9 +96,6 @@ def main(argv=None):
     print(f"corpus: {root} (Python {sys.version.split()[0]}): {len(train_docs)} train files "
           f"({n_train_chars / 1e6:.1f}M chars), {len(held_docs)} held-out files "
           f"({n_held_chars / 1e6:.2f}M chars)", flush=True)
-
-    from tokenizers import Tokenizer
-    from transformers import LlamaForCausalLM
 
     if args.draft_only or args.resume_target:
         tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))

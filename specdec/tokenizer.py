@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
+
 from specdec.bounded_tokenize import PromptTooLong, check_width, encode_within
 from specdec.model.source import resolve_model_source
 
@@ -65,8 +67,6 @@ def render_chat(tokenizer, messages: Sequence, max_tokens: int | None = None,
         conversation.append({"role": role, "content": content})
     if max_tokens is not None:
         check_width(sum(len(m["content"]) for m in conversation), max_tokens, token_width, "the messages")
-    from jinja2.exceptions import TemplateError
-
     try:
         if max_tokens is None:
             ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,

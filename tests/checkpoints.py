@@ -121,23 +121,30 @@ class JumpingK:
         self.rounds.pop(req_id, None)
 
 
-def cheap_drafting_policy():
-    """The real speculation policy on fixed costs where drafting is cheap (a verified token 5% of a
-    pass, a draft step 5%), so that it does speculate with tiny test models (whose draft and target
-    steps cost about the same) and moves K with each request's acceptance."""
-    from coordinator.round_costs import RoundCosts
-    from coordinator.speculation_policy import SpeculationPolicy
+def fixed_cost_policy(coefficients: tuple[float, ...]):
+    """The real speculation policy on fixed round costs (RoundCosts.coefficients' order: v0, v1,
+    v2, d0, d1, d2, d3, overhead), not learnt from timings: what it chooses then depends on the
+    tokens alone, never on how fast the machine running the test is."""
+    from coordinator.speculation.round_costs import RoundCosts
+    from coordinator.speculation.speculation_policy import SpeculationPolicy
 
-    class CheapDrafting(RoundCosts):
+    class FixedCosts(RoundCosts):
         rounds_seen = 1e9
 
         def coefficients(self):
-            return (1.0, 0.05, 0.0, 0.02, 0.05, 0.0, 0.001, 0.0)
+            return coefficients
 
         def observe(self, *args, **kwargs):
             pass
 
-    return SpeculationPolicy(CheapDrafting(max_fed=64, max_steps=8), reference_draft_cost=0.05)
+    return SpeculationPolicy(FixedCosts(max_fed=64, max_steps=8), reference_draft_cost=0.05)
+
+
+def cheap_drafting_policy():
+    """Drafting cheap (a verified token 5% of a pass, a draft step 5%), so that the policy does
+    speculate with tiny test models (whose draft and target steps cost about the same) and moves
+    K with each request's acceptance."""
+    return fixed_cost_policy((1.0, 0.05, 0.0, 0.02, 0.05, 0.0, 0.001, 0.0))
 
 
 def use_policy(engine, policy: str):
@@ -181,7 +188,9 @@ class PreDraftAlways:
 
 
 def predraft_always(scheduler):
-    scheduler.predraft_gate = PreDraftAlways()
+    """Every request pre-drafted every round, where the scheduler overlaps drafting at all."""
+    if scheduler.predrafting is not None:
+        scheduler.predrafting.gate = PreDraftAlways()
     return scheduler
 
 

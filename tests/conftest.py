@@ -28,7 +28,7 @@ from gates import PACE, PACES  # noqa: E402
 #   FAST_LOOK_FACTOR times longer, a streamed gRPC response reaches it late (the first, after which
 #   a test usually acts on a running request, FAST_FIRST_READ_S; the others FAST_READ_S), and
 #   gates.wait_until polls every 0.2 s, first after a pause: ~10x faster relative to the test.
-#   The autoscaler's clock (coordinator.router) runs FAST_LOOK_FACTOR times slower too, so rounds
+#   The autoscaler's clock (coordinator.replicas.router) runs FAST_LOOK_FACTOR times slower too, so rounds
 #   are ~10x faster relative to its scale-up window and idle time as well.
 # It paces this process only: Ray actors and other subprocesses run at the machine's own pace.
 # tests/test_pace.py runs a few gated tests under both paces.
@@ -93,7 +93,7 @@ def pace():
             patch.setattr(ModelRunner, "run", _slowed(ModelRunner.run))
             patch.setattr(NgramDrafter, "propose", _slowed(NgramDrafter.propose))
         elif PACE == "fast":
-            import coordinator.router
+            import coordinator.replicas.router
             from specdec.client import GenerationClient
 
             real_sleep, real_stream = time.sleep, GenerationClient.generate_stream
@@ -106,7 +106,7 @@ def pace():
                 real_sleep(seconds)
 
             patch.setattr(time, "sleep", late_sleep)
-            patch.setattr(coordinator.router, "time", _SlowClock())
+            patch.setattr(coordinator.replicas.router, "time", _SlowClock())
             patch.setattr(GenerationClient, "generate_stream",
                           lambda self, *args, **kwargs: _LateReader(real_stream(self, *args, **kwargs)))
         yield PACE

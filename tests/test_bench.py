@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from specdec.app.bench.report import TARGETS, annotate, evaluate_targets
-from specdec.app.bench.runners import RunResult, left_pad, pool_runs
-from specdec.app.bench.theory import best_fixed_k_speedup, expected_tokens_per_round, theoretical_speedup
+from specdec_app.bench.hf_runner import left_pad
+from specdec_app.bench.report import TARGETS, annotate, evaluate_targets
+from specdec_app.bench.results import RunResult, pool_runs
+from specdec_app.bench.theory import best_fixed_k_speedup, expected_tokens_per_round, theoretical_speedup
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
 
@@ -156,7 +157,7 @@ def bench_inputs(tmp_path, num_prompts: int):
 
 
 def test_bench_end_to_end(tmp_path, capsys):
-    from specdec.app.cli import main
+    from specdec_app.cli import main
 
     target, draft, prompts = bench_inputs(tmp_path, num_prompts=4)
     out = tmp_path / "out"
@@ -251,7 +252,7 @@ def test_repeated_runs_pool_into_one_row():
 
 
 def test_bench_repeats_run_every_system_again_and_pool(tmp_path, capsys):
-    from specdec.app.cli import main
+    from specdec_app.cli import main
 
     target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
     out = tmp_path / "out"
@@ -270,7 +271,7 @@ def test_bench_repeats_run_every_system_again_and_pool(tmp_path, capsys):
 
 
 def test_bench_oracle_runs_every_fixed_k_beside_the_adaptive_row(tmp_path, capsys):
-    from specdec.app.cli import main
+    from specdec_app.cli import main
 
     target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
     out = tmp_path / "out"
@@ -288,7 +289,7 @@ def test_bench_oracle_runs_every_fixed_k_beside_the_adaptive_row(tmp_path, capsy
 
 
 def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
-    from specdec.app.cli import main
+    from specdec_app.cli import main
 
     target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
     out = tmp_path / "policy.json"

@@ -8,7 +8,7 @@ from test_bench import bench_inputs
 
 
 def test_bench_overlap_compares_plain_serial_and_overlapped_with_workers_in_processes(tmp_path, capsys):
-    from specdec.app.cli import main
+    from specdec_app.cli import main
 
     target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
     out = tmp_path / "out"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specdec.app.cli import main
+from specdec_app.cli import main
 
 
 def test_bench_step_quick_prints_floor_ratio_hf_and_ngram(tmp_path, capsys):
@@ -39,7 +39,7 @@ def test_bench_step_without_cpu_kernels_says_so(tmp_path, capsys):
 
 
 def test_bench_step_reuses_the_cached_checkpoint(tmp_path):
-    from specdec.app.bench.shapes import build_copy_checkpoint
+    from specdec_app.bench.shapes import build_copy_checkpoint
 
     first = build_copy_checkpoint("tiny", tmp_path)
     stamp = (first / "model.safetensors").stat().st_mtime_ns

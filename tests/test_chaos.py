@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from specdec.app import loadtest  # noqa: E402
+from specdec_app.loadtest import command as loadtest_command  # noqa: E402
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
 
@@ -21,14 +21,14 @@ def test_chaos_run_loses_and_changes_nothing(tmp_path):
     target = build_checkpoint(tmp_path / "target", seed=0, max_position_embeddings=256, **CONFIGS["gqa_untied"])
     draft = perturbed_copy(target, tmp_path / "draft", noise=0.1)
     parser = argparse.ArgumentParser()
-    loadtest.add_arguments(parser)
+    loadtest_command.add_arguments(parser)
     out_json = tmp_path / "chaos.json"
     args = parser.parse_args(["--chaos", "3", "--duration", "10", "--streams", "4", "--max-new-tokens", "40",
                               "--cancel-fraction", "0.1", "--vocab-size", "300", "--target", str(target),
                               "--draft", str(draft), "--fixed-k", "--no-progress", "--json", str(out_json)])
     out = io.StringIO()
     with redirect_stdout(out):
-        rc = loadtest.run(args)
+        rc = loadtest_command.run(args)
     print(out.getvalue())
     report = json.loads(out_json.read_text())
     assert rc == 0 and report["ok"], report["failures"]

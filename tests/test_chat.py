@@ -11,11 +11,11 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from specdec.app import generate as generate_command
 from specdec.params import SamplingParams
 from specdec.tokenizer import render_chat
+from specdec_app import generate as generate_command
 
-from test_server_e2e import SAMPLED, build_pair, local_reference, serving
+from served_pair import SAMPLED, build_pair, local_reference, serving
 
 CHAT = [{"role": "system", "content": "speculative decoding drafts tokens"},
         {"role": "user", "content": "hello server, the quick brown fox"}]

@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from specdec.app import cli
-from specdec.app.flags import SERVE_SETTINGS, add_settings, all_serve_settings, given_settings, settings_table
-from specdec.app.serve import DRAFT_DEFAULT_NOTE, build_config
 from specdec.config import (
     NGRAM,
     SETTINGS,
@@ -26,6 +23,9 @@ from specdec.config import (
     describe,
     settings_from_env,
 )
+from specdec_app import cli
+from specdec_app.flags import SERVE_SETTINGS, add_settings, all_serve_settings, given_settings, settings_table
+from specdec_app.serve import DRAFT_DEFAULT_NOTE, build_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

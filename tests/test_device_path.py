@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules whose tensors meet the model's: every constructor names its device, or says on its line
 # why it is a host tensor ("# host:").
 DEVICE_PATH = ["draft_worker/model_drafter.py", "target_worker/worker.py", "target_worker/proposal_check.py",
-               "coordinator/predraft.py", "specdec/sampling/speculative.py", "specdec/sampling/transforms.py",
+               "coordinator/rounds/predraft.py", "specdec/sampling/speculative.py", "specdec/sampling/transforms.py",
                "specdec/model/attention.py", "specdec/model/batch.py", "specdec/model/decoder.py",
                "specdec/kv_cache.py"]
 CONSTRUCTORS = {"tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "as_tensor"}

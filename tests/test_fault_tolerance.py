@@ -45,7 +45,7 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def deployment(models):
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", namespace="specdec-ft",
@@ -119,26 +119,26 @@ def test_worker_killed_mid_stream_the_streams_carry_on(deployment, expected, rol
 
 
 def test_actors_take_the_cluster_custom_resources(deployment):
-    from specdec.app import ray_actors
+    from specdec_app import ray_cluster
 
     # Each actor holds its node's one unit (after the restarts above too).
     available = ray.available_resources()
     for name in ("specdec_coordinator", "specdec_target", "specdec_draft"):
         assert available.get(name, 0) == 0, (name, available)
     with pytest.raises(TimeoutError, match="specdec_nope"):
-        ray_actors.wait_for_resources(["specdec_target", "specdec_nope"], timeout_s=0.1, poll_s=0.05)
+        ray_cluster.wait_for_resources(["specdec_target", "specdec_nope"], timeout_s=0.1, poll_s=0.05)
 
     # Fixed worker ports for non-loopback binds (the NetworkPolicy opens only those); free ports on loopback.
-    assert ray_actors.worker_port("node-ip", 50061) == 50061
-    assert ray_actors.worker_port("0.0.0.0", 50072) == 50072
-    assert ray_actors.worker_port("127.0.0.1", 50072) not in (50072, 0)
+    assert ray_cluster.worker_port("node-ip", 50061) == 50061
+    assert ray_cluster.worker_port("0.0.0.0", 50072) == 50072
+    assert ray_cluster.worker_port("127.0.0.1", 50072) not in (50072, 0)
 
 
 def test_grpc_clients_after_a_worker_restart_or_move():
     """No Ray: a target stream that died between rounds fails only rounds that continue requests;
     the restarted worker gets first rounds on a fresh stream; a worker that moved is followed."""
-    from coordinator.errors import WorkerUnavailable
-    from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
+    from coordinator.rounds.errors import WorkerUnavailable
+    from coordinator.rounds.grpc_clients import GrpcDraftClient, GrpcTargetClient
     from draft_worker import grpc_server as draft_server
     from draft_worker.worker import DraftWorker
     from specdec.round_types import DraftTask, VerifyOutcome, VerifyResult, VerifyTask
@@ -197,8 +197,9 @@ def test_grpc_clients_after_a_worker_restart_or_move():
 
 
 def test_serve_waits_for_worker_nodes_and_never_shares_a_gpu_there(deployment, monkeypatch):
-    from specdec.app import ray_actors
-    from specdec.app.serve import ServeError, _plan_gpus
+    from specdec_app import ray_cluster
+    from specdec_app.serve_messages import ServeError
+    from specdec_app.serve_ray import _plan_gpus
 
     def config(draft):
         return ServiceConfig.from_settings(device="cuda", worker_wait=0.1, draft=draft)
@@ -208,7 +209,7 @@ def test_serve_waits_for_worker_nodes_and_never_shares_a_gpu_there(deployment, m
     # A cluster that lacks a worker group's resource: a clear error after --worker-wait.
     real = ray.cluster_resources
     monkeypatch.setattr(ray, "cluster_resources",
-                        lambda: {k: v for k, v in real().items() if k != ray_actors.DRAFT_RESOURCE})
+                        lambda: {k: v for k, v in real().items() if k != ray_cluster.DRAFT_RESOURCE})
     with pytest.raises(ServeError, match="specdec_draft .*worker pods"):
         _plan_gpus(ray, config("/models/draft"), started=False)
     assert _plan_gpus(ray, config(NGRAM), started=False) is None  # n-gram drafting needs no draft node

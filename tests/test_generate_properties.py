@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from coordinator.server_thread import run_server_in_thread
+from coordinator.frontend.server_thread import run_server_in_thread
 from specdec import ServiceConfig
-from specdec.app.embedded import LocalSchedulerFactory
 from specdec.v1 import generation_pb2, generation_pb2_grpc
+from specdec_app.embedded import LocalSchedulerFactory
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
 from gates import wait_until
-from test_server_e2e import save_tokenizer
+from served_pair import save_tokenizer
 
 MAX_POS = 128
 VOCAB = CONFIGS["gqa_untied"]["vocab_size"]

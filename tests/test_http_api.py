@@ -1,85 +1,60 @@
 """The OpenAI-compatible HTTP API end to end on 127.0.0.1, driven by the official `openai` package
 and raw httpx: outputs equal LocalEngine's (completions and chat, streamed and not, greedy and
 seeded), usage, Server-Sent Events framing, every error in OpenAI's shape, /health, /metrics,
-and a client that disconnects freeing its KV blocks.
+and a client that disconnects freeing its KV blocks. Servers of their own (readiness, draining,
+no chat template, HTTPS) are in test_http_api_servers.py.
 
-The served model is a random checkpoint whose tokenizer has a chat template; the server runs the
-default adaptive speculation policy and so does the reference engine: greedy output does not
-depend on K, and a seeded request's K depends only on its own history, so outputs must match.
+The served model is a random checkpoint whose tokenizer has a chat template (tests/http_pair.py);
+the server runs the default adaptive speculation policy and so does the reference engine: greedy
+output does not depend on K, and a seeded request's K depends only on its own history, so outputs
+must match.
 """
 from __future__ import annotations
 
 import json
 import math
-import shutil
-import ssl
-import threading
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.prometheus_metrics import PrometheusMetrics
-from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
-from specdec import LocalEngine, ServiceConfig
-from specdec.app.embedded import LocalSchedulerFactory
-from specdec.client import GenerationClient
+from coordinator.frontend.server_thread import LOOPBACK_SERVER, run_server_in_thread
+from coordinator.telemetry.prometheus_metrics import PrometheusMetrics
+from specdec import LocalEngine
 from specdec.params import SamplingParams
-from specdec.tokenizer import load_tokenizer
+from specdec_app.embedded import LocalSchedulerFactory
 
-from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
 from gates import Calls, RoundGate, wait_until
-from test_server_e2e import KV, MAX_POS, save_tokenizer, self_signed_cert
+from http_pair import CHAT, IDS, PROMPT, TOKEN, http_config, http_pair
+from served_pair import KV, kv_used
 
-K = 4
-TOKEN = "s3cret"
-PROMPT = "the quick brown fox"
-IDS = [5, 17, 99, 3, 42]
-CHAT = [{"role": "system", "content": "speculative decoding drafts tokens"},
-        {"role": "user", "content": "hello server"}]
 SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40, seed=7)
 OPENAI_SAMPLED = dict(temperature=0.9, top_p=0.95, seed=7, extra_body={"top_k": 40})
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = build_checkpoint(tmp_path_factory.mktemp("http-target"), seed=0, max_position_embeddings=MAX_POS,
-                              **CONFIGS["gqa_untied"])
-    save_tokenizer(target)
-    plain = Path(shutil.copytree(target, tmp_path_factory.mktemp("http-plain") / "plain"))  # no chat template
-    add_chat_template(target)
-    draft = perturbed_copy(target, tmp_path_factory.mktemp("http-draft"), noise=0.3)
-    return SimpleNamespace(target=str(target), draft=str(draft), plain=str(plain))
-
-
-def config(models, **settings) -> ServiceConfig:
-    return ServiceConfig.from_settings(**{"target": models.target, "draft": models.draft, "num_speculative_tokens": K,
-                                          **KV, **settings})
+    return http_pair(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(models):
-    return LocalEngine(config=config(models))
+    return LocalEngine(config=http_config(models))
 
 
 @pytest.fixture(scope="module")
 def served(models):
-    factory = LocalSchedulerFactory(config(models))
+    factory = LocalSchedulerFactory(http_config(models))
     with run_server_in_thread(factory, factory.tokenizer, replace(LOOPBACK_SERVER, auth_token=TOKEN)) as handle:
         base = f"http://127.0.0.1:{handle.http_port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=60)
         yield SimpleNamespace(handle=handle, base=base, client=client, factory=factory, model=models.target,
                               scheduler=handle.server.scheduler, headers={"Authorization": f"Bearer {TOKEN}"})
         client.close()
-
-
-def kv_used(factory) -> int:
-    return factory.target_worker.cache.allocator.num_used
 
 
 def error_of(exc: openai.APIStatusError) -> dict:
@@ -376,92 +351,3 @@ def test_client_disconnect_while_waiting_for_a_whole_response_frees_kv_blocks(se
         gate.open()
         served.scheduler.on_round = None
     assert_cancelled_not_finished(served, before)
-
-
-# --- servers of their own ----------------------------------------------------------------------
-
-
-def test_503_until_ready(models):
-    factory = LocalSchedulerFactory(config(models))
-    gate = threading.Event()
-
-    def slow_factory():
-        gate.wait(120)  # the test sets it; the bound only ends a broken test
-        return factory()
-
-    with run_server_in_thread(slow_factory, factory.tokenizer, wait_ready=False) as handle:
-        base = f"http://127.0.0.1:{handle.http_port}"
-        health = httpx.get(f"{base}/health")
-        assert health.status_code == 503 and health.json()["status"] == "loading"
-        refused = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT))
-        assert refused.status_code == 503 and "still loading" in refused.json()["error"]["message"]
-        assert httpx.get(f"{base}/v1/models").status_code == 503
-        gate.set()
-        assert wait_until(lambda: httpx.get(f"{base}/health").status_code == 200)
-        ok = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT, max_tokens=2))
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-
-
-def test_503_while_draining_and_in_flight_streams_finish(models):
-    factory = LocalSchedulerFactory(config(models))
-    with run_server_in_thread(factory, factory.tokenizer) as handle:
-        base = f"http://127.0.0.1:{handle.http_port}"
-        # The stream is still in flight while the drain is checked: the scheduler holds after the
-        # round that streamed its first event until then.
-        gate = RoundGate(holds=lambda report: any(u.text and not u.finished for u in report.updates))
-        handle.server.scheduler.on_round = gate
-        body = dict(model=models.target, prompt=IDS, max_tokens=30, temperature=0, stream=True)
-        with httpx.Client() as client, client.stream("POST", f"{base}/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            stopper = threading.Thread(target=handle.stop, args=(60.0,))
-            try:
-                stopper.start()
-                assert wait_until(lambda: handle.server.gate.draining)
-                health = httpx.get(f"{base}/health")
-                assert health.status_code == 503 and health.json()["status"] == "draining"
-                refused = httpx.post(f"{base}/v1/completions", json=dict(model=models.target, prompt=PROMPT))
-                assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-            finally:
-                gate.open()
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
-        stopper.join(60)
-        assert not stopper.is_alive() and kv_used(factory) == 0
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{base}/health")
-
-
-def test_chat_on_a_model_without_a_chat_template(models):
-    factory = LocalSchedulerFactory(config(models, target=models.plain, draft="ngram"))
-    with run_server_in_thread(factory, factory.tokenizer) as handle:
-        assert load_tokenizer(models.plain).chat_template is None
-        response = httpx.post(f"http://127.0.0.1:{handle.http_port}/v1/chat/completions",
-                              json=dict(model=models.plain, messages=CHAT))
-        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
-        assert response.json()["error"]["message"] == "this model has no chat template; send a prompt instead"
-        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
-            with pytest.raises(grpc.RpcError) as info:
-                client.generate(messages=CHAT)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert info.value.details() == "this model has no chat template; send a prompt instead"
-            assert client.generate(PROMPT, max_new_tokens=2).finish_reason == "length"
-
-
-def test_http_port_zero_turns_the_api_off(models):
-    factory = LocalSchedulerFactory(config(models, draft=None))
-    with run_server_in_thread(factory, factory.tokenizer, replace(LOOPBACK_SERVER, http_port=0)) as handle:
-        assert handle.http_port is None
-        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
-            assert client.generate(IDS, max_new_tokens=2).finish_reason == "length"
-
-
-def test_https_with_the_servers_certificate(models, tmp_path):
-    cert, key = self_signed_cert(tmp_path)
-    factory = LocalSchedulerFactory(config(models, draft=None))
-    tls = replace(LOOPBACK_SERVER, tls_cert=str(cert), tls_key=str(key))
-    with run_server_in_thread(factory, factory.tokenizer, tls) as handle:
-        trusted = ssl.create_default_context(cafile=str(cert))
-        assert httpx.get(f"https://127.0.0.1:{handle.http_port}/health", verify=trusted).json() == {"status": "ok"}
-        with pytest.raises(httpx.RemoteProtocolError):
-            httpx.get(f"http://127.0.0.1:{handle.http_port}/health")

@@ -1,17 +1,21 @@
-"""Layers import only downwards: library <- workers <- coordinator <- composition (specdec.app).
+"""Layers import only downwards, and no modules import each other in a circle:
+library (specdec) <- workers <- coordinator <- composition (specdec_app) <- the `specdec` facade.
 
-Every `import` in every module of the four packages is read from its syntax tree, including
-imports inside functions (a lazy import is still a dependency). The second test plants violations
-in a copy of the tree and checks they are caught, so the check cannot pass vacuously.
+Every `import` in every module of the five packages is read from its syntax tree, including
+imports inside functions (a lazy import is still a dependency). Planted violations in a copy of
+the tree must be caught, so the checks cannot pass vacuously. Importing the library layer must
+not load grpc, Ray or fastapi (the facade loads the composition layer only when used).
 """
 from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specdec", "coordinator", "draft_worker", "target_worker")
+PACKAGES = ("specdec", "coordinator", "draft_worker", "target_worker", "specdec_app")
 
 # What each layer may import (besides third-party code and itself).
 ALLOWED = {
@@ -20,11 +24,8 @@ ALLOWED = {
     "target_worker": {"library"},
     "coordinator": {"library"},
     "app": {"library", "draft_worker", "target_worker", "coordinator"},
-    "facade": {"library", "app"},  # specdec/__init__.py re-exports what specdec.app assembles
+    "facade": {"library", "app"},  # specdec/__init__.py re-exports what specdec_app assembles
 }
-# The upper packages' __init__ load the facade first, only to fix the import order (see the
-# comment in those files); that one edge is not a use of what the facade exports.
-LOAD_ORDER_EDGES = {(f"{pkg}", "specdec") for pkg in ("coordinator", "draft_worker", "target_worker")}
 
 
 def layer_of(module: str) -> str | None:
@@ -32,7 +33,7 @@ def layer_of(module: str) -> str | None:
     top = module.split(".")[0]
     if module == "specdec":
         return "facade"
-    if module == "specdec.app" or module.startswith("specdec.app."):
+    if top == "specdec_app":
         return "app"
     if top == "specdec":
         return "library"
@@ -68,18 +69,21 @@ def imported_modules(path: Path, root: Path, known: set[str]) -> list[tuple[str,
     return found
 
 
-def layering_violations(root: Path) -> list[str]:
+def _graph(root: Path) -> tuple[list[Path], dict[str, list[tuple[str, int]]]]:
     files = [p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
     known = {module_name(p, root) for p in files}
+    return files, {module_name(p, root): imported_modules(p, root, known) for p in files}
+
+
+def layering_violations(root: Path) -> list[str]:
+    files, graph = _graph(root)
     problems = []
     for path in files:
         source = module_name(path, root)
         source_layer = layer_of(source)
-        for target, line in imported_modules(path, root, known):
+        for target, line in graph[source]:
             target_layer = layer_of(target)
             if target_layer is None or target_layer == source_layer:
-                continue
-            if (source, target) in LOAD_ORDER_EDGES:
                 continue
             if target_layer not in ALLOWED[source_layer]:
                 rel = path.relative_to(root)
@@ -87,22 +91,62 @@ def layering_violations(root: Path) -> list[str]:
     return problems
 
 
+def import_circles(root: Path) -> list[list[str]]:
+    """Every circle of first-party modules importing one another (strongly connected components
+    of more than one module, or a module importing itself)."""
+    _, graph = _graph(root)
+    edges = {m: {t for t, _ in targets if t in graph and t != m} for m, targets in graph.items()}
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return circles
+
+
 def test_layers_import_only_downwards():
     assert layering_violations(ROOT) == []
 
 
-def test_layer_check_catches_planted_upward_and_sideways_imports(tmp_path):
+def test_no_modules_import_each_other_in_a_circle():
+    assert import_circles(ROOT) == []
+
+
+def test_the_checks_catch_planted_upward_sideways_and_circular_imports(tmp_path):
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    assert layering_violations(tmp_path) == []
+    assert layering_violations(tmp_path) == [] and import_circles(tmp_path) == []
 
     plants = {
-        "specdec/kv_cache.py": "from coordinator.scheduler import Scheduler\n",  # library -> coordinator
-        "specdec/model/rope.py": "def _lazy():\n    from specdec.app import engine\n",  # lazy, library -> app
+        "specdec/kv_cache.py": "from coordinator.rounds.scheduler import Scheduler\n",  # library -> coordinator
+        "specdec/model/rope.py": "def _lazy():\n    from specdec_app import engine\n",  # lazy, library -> app
         "draft_worker/drafter.py": "import target_worker.worker\n",  # worker -> worker, sideways
-        "target_worker/worker.py": "from coordinator import request\n",  # worker -> coordinator
-        "coordinator/scheduler.py": "from draft_worker import worker\n",  # coordinator -> worker
-        "specdec/tokenizer.py": "from . import app\n",  # relative import of the composition layer
+        "target_worker/worker.py": "from coordinator.rounds import request\n",  # worker -> coordinator
+        "coordinator/rounds/scheduler.py": "from draft_worker import worker\n",  # coordinator -> worker
+        "specdec/model/weights.py": "from .. import LocalEngine\n",  # relative, upwards: library -> facade
     }
     for rel, line in plants.items():
         path = tmp_path / rel
@@ -111,3 +155,27 @@ def test_layer_check_catches_planted_upward_and_sideways_imports(tmp_path):
     assert len(found) == len(plants), found
     for rel in plants:
         assert any(f.startswith(rel) for f in found), (rel, found)
+    params = tmp_path / "specdec/params.py"
+    params.write_text(params.read_text() + "\nfrom specdec import tokenizer\n")  # tokenizer <-> params
+    tokenizer = tmp_path / "specdec/tokenizer.py"
+    tokenizer.write_text(tokenizer.read_text() + "\nfrom . import params\n")  # (relative)
+    assert ["specdec.params", "specdec.tokenizer"] in import_circles(tmp_path)
+
+
+def test_importing_the_library_loads_no_grpc_ray_or_fastapi():
+    """`python -X importtime -c "import specdec.sampling"` (and the model, params, wire): none of
+    the service's heavy dependencies, nor the layers above."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                          "import specdec.sampling, specdec.model, specdec.params, specdec.wire"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    loaded = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if "|" in line}
+    assert not loaded & {"grpc", "ray", "fastapi", "uvicorn", "coordinator", "draft_worker", "target_worker",
+                         "specdec_app"}, sorted(loaded & {"grpc", "ray", "fastapi", "uvicorn"})
+
+
+def test_the_facade_still_exports_the_engine():
+    import specdec
+
+    assert {"LocalEngine", "SamplingParams", "ServiceConfig", "GenerationOutput"} <= set(dir(specdec))
+    assert specdec.LocalEngine.__module__ == "specdec_app.engine"

@@ -12,10 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.app import cli, loadtest
+from specdec_app import cli
+from specdec_app.loadtest import command as loadtest_command
+from specdec_app.loadtest.records import LoadConfig, build_report, make_streams, percentile
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
-from test_server_e2e import save_tokenizer
+from served_pair import save_tokenizer
 
 STREAMS, TOKENS = 64, 200
 
@@ -32,7 +34,7 @@ def models(tmp_path_factory):
 
 def parse(argv):
     parser = argparse.ArgumentParser()
-    loadtest.add_arguments(parser)
+    loadtest_command.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -46,7 +48,7 @@ def test_embedded_load_64_streams(models, tmp_path):
     out = io.StringIO()
     t0 = time.monotonic()
     with redirect_stdout(out):
-        rc = loadtest.run(args)
+        rc = loadtest_command.run(args)
     elapsed = time.monotonic() - t0
     report = json.loads(out_json.read_text())
     print(out.getvalue(), f"\n(whole command {elapsed:.1f} s)")
@@ -90,17 +92,17 @@ def test_cli_registers_loadtest_and_unreachable_server_fails_fast():
 
 
 def _record(cfg, **kw):
-    rec = loadtest.make_streams(cfg, "t")[0]
+    rec = make_streams(cfg, "t")[0]
     for k, v in kw.items():
         setattr(rec, k, v)
     return rec
 
 
 def test_checker_flags_lost_short_duplicated_and_mixed_up_streams():
-    cfg = loadtest.LoadConfig(streams=1, max_new_tokens=5, cancel_fraction=0.0, vocab_size=50)
+    cfg = LoadConfig(streams=1, max_new_tokens=5, cancel_fraction=0.0, vocab_size=50)
     good = dict(status="completed", token_ids=[1] * 5, finish_reason="length", finish_messages=1,
                 stats_generated=5, ttft=0.01)
-    assert loadtest.build_report(cfg, [_record(cfg, **good)], 1.0).ok
+    assert build_report(cfg, [_record(cfg, **good)], 1.0).ok
     cases = {
         "never finished": dict(status="pending"),
         "expected exactly 5": dict(good, token_ids=[1] * 4, stats_generated=4),
@@ -112,18 +114,18 @@ def test_checker_flags_lost_short_duplicated_and_mixed_up_streams():
         "failed: UNAVAILABLE": dict(status="failed", error="UNAVAILABLE: gone"),
     }
     for needle, fields in cases.items():
-        report = loadtest.build_report(cfg, [_record(cfg, **fields)], 1.0)
+        report = build_report(cfg, [_record(cfg, **fields)], 1.0)
         assert not report.ok and any(needle in f for f in report.failures), (needle, report.failures)
 
 
 def test_streams_are_distinct_and_cancel_points_mid_way():
-    cfg = loadtest.LoadConfig(streams=64, max_new_tokens=200, cancel_fraction=0.1, seed=5)
-    records = loadtest.make_streams(cfg, "run")
+    cfg = LoadConfig(streams=64, max_new_tokens=200, cancel_fraction=0.1, seed=5)
+    records = make_streams(cfg, "run")
     assert len({r.prompt for r in records}) == 64 and len({r.tag for r in records}) == 64
     cancels = [r.cancel_after for r in records if r.cancel_after is not None]
     assert len(cancels) == 6 and all(0 <= c < 200 for c in cancels) and 0 in cancels
-    ids = loadtest.make_streams(loadtest.LoadConfig(streams=300, vocab_size=120), "run")
+    ids = make_streams(LoadConfig(streams=300, vocab_size=120), "run")
     assert len({tuple(r.prompt) for r in ids}) == 300
     assert all(0 <= t < 120 for r in ids for t in r.prompt)
-    assert loadtest.percentile([3.0, 1.0, 2.0], 50) == 2.0 and loadtest.percentile([], 50) is None
-    assert loadtest.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 50) is None
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)

@@ -16,13 +16,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from specdec import LocalEngine, SamplingParams
-from specdec.app.bench.command import _model_problem
-from specdec.app.bench.runners import load_hf
-from specdec.app.flags import SERVE_SETTINGS, add_settings
-from specdec.app.serve import ServeError, build_config
 from specdec.model import ModelSourceError, load_model, resolve_model_source
 from specdec.model.gguf_file import unpermute_rows
 from specdec.tokenizer import load_tokenizer
+from specdec_app.bench.arguments import model_problem
+from specdec_app.bench.hf_runner import load_hf
+from specdec_app.flags import SERVE_SETTINGS, add_settings
+from specdec_app.serve import ServeError, build_config
 
 from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint, hf_greedy
 from gguf_files import llama_cpp_permute, write_gguf
@@ -327,8 +327,8 @@ def test_serve_accepts_every_source_and_refuses_bad_ones(hub_cache, gguf_files, 
 
 def test_bench_takes_gguf_files_and_hub_ids(hub_cache, gguf_files):
     path, reference = gguf_files["qwen2_biases", "Q8_0"]
-    assert _model_problem(str(path)) is None and _model_problem("acme/tiny-llama") is None
-    assert "not in the local Hugging Face cache" in _model_problem("acme/absent")
+    assert model_problem(str(path)) is None and model_problem("acme/tiny-llama") is None
+    assert "not in the local Hugging Face cache" in model_problem("acme/absent")
     # Its Hugging Face baseline on a GGUF runs the same dequantized weights.
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():

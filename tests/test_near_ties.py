@@ -21,14 +21,14 @@ import json
 import pytest
 import torch
 
-from coordinator.request import Request
+from coordinator.rounds.request import Request
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
 from specdec import LocalEngine, ServiceConfig
-from specdec.app.embedded import GrpcSchedulerFactory, LocalSchedulerFactory
 from specdec.config import SHIPPED_DRAFT, SHIPPED_TARGET
 from specdec.model.batch import prepare_forward
 from specdec.params import SamplingParams
+from specdec_app.embedded import GrpcSchedulerFactory, LocalSchedulerFactory
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 

@@ -11,13 +11,13 @@ import random
 
 import pytest
 
-from coordinator.errors import WorkerUnavailable
-from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
-from coordinator.metrics import RoundMetrics
-from coordinator.predraft_gate import PROBE_EVERY, PreDraftGate
-from coordinator.prometheus_metrics import PrometheusMetrics
-from coordinator.request import Request
-from coordinator.scheduler import Scheduler
+from coordinator.rounds.errors import WorkerUnavailable
+from coordinator.rounds.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from coordinator.rounds.request import Request
+from coordinator.rounds.scheduler import Scheduler
+from coordinator.speculation.predraft_gate import PROBE_EVERY, PreDraftGate
+from coordinator.telemetry.metrics import RoundMetrics
+from coordinator.telemetry.prometheus_metrics import PrometheusMetrics
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
 from specdec import LocalEngine, SamplingParams, ServiceConfig
@@ -81,7 +81,7 @@ def test_greedy_with_overlap_is_the_target_output_in_process(models, plain_outpu
         assert tally.kept > 0 and tally.hits > 0, "no pre-draft was kept: the overlap path was not exercised"
     assert tally.misses > 0 or drafter == "ngram"  # dropped pre-drafts too (a close, not identical, draft)
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)
-    assert not engine.scheduler._pending and not engine.scheduler._ready
+    assert not engine.scheduler.predrafting.pending and not engine.scheduler.predrafting.ready
 
 
 def test_greedy_with_overlap_is_the_target_output_over_grpc_workers(models, plain_outputs):
@@ -145,7 +145,7 @@ def test_requests_joining_leaving_and_cancelled_mid_pipeline_leave_no_state_or_b
             outputs[f"j{joined}"] = []
             joined += 1
         if step in (5, 9, 14):  # cancel one that has a pre-draft pending or confirmed
-            held = sorted(set(sched._ready) | set(sched._pending)) or sorted(sched.running)
+            held = sorted(set(sched.predrafting.ready) | set(sched.predrafting.pending)) or sorted(sched.running)
             if held:
                 victim = rng.choice(held)
                 assert sched.abort(victim)
@@ -159,7 +159,7 @@ def test_requests_joining_leaving_and_cancelled_mid_pipeline_leave_no_state_or_b
     for req_id, tokens in outputs.items():
         if req_id not in cancelled:  # the survivors are unaffected by their batch mates leaving
             assert tokens == plain_outputs[int(req_id[1:]) % len(PROMPTS)]
-    assert not sched.running and not sched._pending and not sched._ready
+    assert not sched.running and not sched.predrafting.pending and not sched.predrafting.ready
     assert_no_blocks_held(engine.target_worker, engine.draft_worker)
     assert not engine.draft_worker.drafter._seqs
 
@@ -181,7 +181,7 @@ class PreDraftFails:
 
 
 def test_draft_lost_during_a_pre_draft_costs_speculation_not_output(models, plain_outputs, monkeypatch):
-    monkeypatch.setattr("coordinator.worker_health.FIRST_BACKOFF_S", 0.0)  # retry the draft at once
+    monkeypatch.setattr("coordinator.rounds.worker_health.FIRST_BACKOFF_S", 0.0)  # retry the draft at once
     engine = LocalEngine(models[0], draft=models[1], num_speculative_tokens=4, adaptive=False, overlap=True,
                          worker_recovery_timeout=5.0)
     predraft_always(engine.scheduler)

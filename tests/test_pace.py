@@ -29,13 +29,13 @@ SELECTION = [
 
 def test_the_pace_is_in_effect():
     """What SPECDEC_TEST_PACE installs (conftest's session fixture), checked where it runs."""
-    import coordinator.router
+    import coordinator.replicas.router
     from draft_worker.ngram_drafter import NgramDrafter
     from specdec.client import GenerationClient
     from specdec.model.runner import ModelRunner
 
     slowed = ModelRunner.run.__name__ == NgramDrafter.propose.__name__ == "slowed"
-    late = coordinator.router.time is not time and GenerationClient.generate_stream.__name__ == "<lambda>"
+    late = coordinator.replicas.router.time is not time and GenerationClient.generate_stream.__name__ == "<lambda>"
     assert (slowed, late) == (PACE == "slow", PACE == "fast")
 
 

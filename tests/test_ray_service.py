@@ -24,8 +24,8 @@ ray = pytest.importorskip("ray")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from coordinator.metrics import RoundMetrics  # noqa: E402
-from coordinator.server import SERVICE_NAME  # noqa: E402
+from coordinator.frontend.server import SERVICE_NAME  # noqa: E402
+from coordinator.telemetry.metrics import RoundMetrics  # noqa: E402
 from specdec import LocalEngine, ServiceConfig  # noqa: E402
 from specdec.config import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
@@ -59,7 +59,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, models):
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     target, draft = models
     dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
@@ -121,7 +121,7 @@ def test_overlapped_drafting_on_ray_actors_serves_the_serial_tokens(ray_cluster,
     verifies; greedy and seeded sampled output equal the serial in-process engine's, pre-drafts
     were sent (whether any is kept depends on this random pair's guesses), and a cancelled
     stream leaves no KV blocks behind."""
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     target, draft = models
     dep = launch(ServiceConfig.from_settings(target=str(target), draft=str(draft), num_speculative_tokens=4,
@@ -159,7 +159,7 @@ def test_round_callback_with_and_without_ray(models):
     quiet = RoundMetrics(export=False)
     exported = RoundMetrics("specdec-unit")  # Ray is initialised in this process here
     assert not quiet.exporting
-    from coordinator.request import Request
+    from coordinator.rounds.request import Request
 
     sched = engine.scheduler
     sched.add_request(Request("a", PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True)))
@@ -213,7 +213,7 @@ def _wait_line(lines: queue.Queue, needle: str, timeout: float, seen: list[str])
 def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, models, tmp_path):
     """`specdec serve` (joining this module's Ray cluster): SIGTERM mid-request -> the request
     completes, new requests are refused, the process exits 0."""
-    from specdec.app.ray_actors import free_port
+    from specdec_app.ray_cluster import free_port
 
     target, draft = models
     port = free_port()
@@ -221,7 +221,7 @@ def test_serve_drains_in_flight_requests_on_sigterm(ray_cluster, deployment, mod
     stderr_path = tmp_path / "serve.stderr"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec.app.cli", "serve", "--target", str(target), "--draft", str(draft),
+            [sys.executable, "-m", "specdec_app.cli", "serve", "--target", str(target), "--draft", str(draft),
              "--host", "127.0.0.1", "--port", str(port), "--ray-address", ray_cluster, "--name", "specdec-sigterm",
              "--worker-cpus", "0.5", "--worker-host", "127.0.0.1", "--grace-period", "60", "--http-port", "-1",
              "--quiet"],
@@ -286,7 +286,7 @@ def test_a_worker_port_taken_before_it_binds_starts_again_on_new_ports(monkeypat
     """Loopback workers get a free port chosen before their models load; another process can take
     it meanwhile. Start-up then tries again on new ports (a few times), and does not retry any
     other failure, nor a fixed port's."""
-    from specdec.app import ray_actors
+    from specdec_app import ray_actors
 
     calls = []
 
@@ -318,7 +318,7 @@ def test_a_worker_port_taken_before_it_binds_starts_again_on_new_ports(monkeypat
 def test_near_tie_prompts_served_concurrently_on_ray_actors_give_the_target_alones_tokens(ray_cluster):
     """The Ray path of tests/test_near_ties.py: the shipped pair on its own actors, the near-tie
     prompts sent at once with K from 0 to 5 (one stream each, arriving while the others decode)."""
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     prompts, want = scan_near_ties()
     dep = launch(ServiceConfig.from_settings(target=str(SHIPPED_TARGET), draft=str(SHIPPED_DRAFT), adaptive=False,

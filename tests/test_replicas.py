@@ -15,15 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.router import Replica, pick_replica
-from coordinator.scale_policy import ReplicaLoad, ScaleDecision, ScalePolicy
-from coordinator.server import GenerationServer
-from coordinator.server_thread import LOOPBACK_SERVER, ServerThread
+from coordinator.frontend.server import GenerationServer
+from coordinator.frontend.server_thread import LOOPBACK_SERVER, ServerThread
+from coordinator.replicas.router import Replica, pick_replica
+from coordinator.replicas.scale_policy import ReplicaLoad, ScaleDecision, ScalePolicy
 from specdec import LocalEngine, ServiceConfig
-from specdec.app.embedded import LocalReplicaLauncher, LocalSchedulerFactory
 from specdec.client import GenerationClient
 from specdec.config import ConfigError, ReplicaConfig
 from specdec.params import SamplingParams
+from specdec_app.embedded import LocalReplicaLauncher, LocalSchedulerFactory
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
 from gates import Calls, RoundGate, wait_until
@@ -238,7 +238,7 @@ def test_no_replica_is_picked_when_all_are_draining():
 def test_a_request_evicted_midway_and_adopted_by_another_scheduler_gives_the_same_tokens(models, policy):
     """What the router does when a replica's target is lost and another serves: the same tokens
     follow, greedy and seeded sampled, with the adaptive policy's per-request state carried."""
-    from coordinator.request import Request
+    from coordinator.rounds.request import Request
 
     from checkpoints import cheap_drafting_policy, use_policy
 

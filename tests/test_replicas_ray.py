@@ -89,7 +89,7 @@ def snapshot(deployment) -> dict:
 
 @pytest.mark.timeout(400)
 def test_killing_one_replicas_target_leaves_the_other_untouched_and_every_stream_exact(cluster, models):
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     config = config_for(models, "specdec-iso", replicas=2)
     engine = LocalEngine(config=dataclasses.replace(config, ray=dataclasses.replace(config.ray, enabled=False)))
@@ -143,7 +143,7 @@ def test_killing_one_replicas_target_leaves_the_other_untouched_and_every_stream
 
 @pytest.mark.timeout(400)
 def test_autoscaling_adds_a_replica_on_the_second_node_under_load_and_removes_it_when_idle(cluster, models):
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     config = config_for(models, "specdec-scale", replicas=1, max_replicas=2, max_batch_size=2, scale_up_queue=0,
                         scale_window=1.0, scale_down_idle=3.0)
@@ -194,7 +194,7 @@ def test_autoscaling_adds_a_replica_on_the_second_node_under_load_and_removes_it
 
 @pytest.mark.timeout(300)
 def test_two_replicas_share_one_draft_worker_and_stay_exact(cluster, models):
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     config = config_for(models, "specdec-shared", replicas=2, draft_replicas=1)
     engine = LocalEngine(config=dataclasses.replace(config, ray=dataclasses.replace(config.ray, enabled=False)))

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from coordinator.server import SERVICE_NAME  # noqa: E402
+from coordinator.frontend.server import SERVICE_NAME  # noqa: E402
 from specdec import ServiceConfig  # noqa: E402
 from specdec.client import GenerationClient  # noqa: E402
 
@@ -36,7 +36,7 @@ def health_status(port: int) -> int:
 
 @pytest.mark.timeout(240)
 def test_target_out_of_restarts_fails_its_streams_now_and_health_says_not_serving(tmp_path):
-    from specdec.app.ray_actors import launch
+    from specdec_app.ray_actors import launch
 
     target = build_checkpoint(tmp_path / "target", seed=0, max_position_embeddings=1024, **CONFIGS["gqa_untied"])
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}

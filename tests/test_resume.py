@@ -3,9 +3,9 @@
 Real workers serve over gRPC on fixed loopback ports; a test kills one (its server stops and its
 state is gone, as when the process dies) and starts a fresh one on the same port (as Ray restarts
 it). The coordinator's scheduler holds every committed token and resumes each request; the
-outputs must equal an uninterrupted run, greedy and seeded sampled alike. The last tests go
-through the public server (health, drain). No Ray here: these run in seconds;
-tests/test_fault_tolerance.py kills real Ray actors.
+outputs must equal an uninterrupted run, greedy and seeded sampled alike (the workers:
+tests/resume_cluster.py). The last tests go through the public server (health, drain). No Ray
+here: these run in seconds; tests/test_fault_tolerance.py kills real Ray actors.
 """
 from __future__ import annotations
 
@@ -15,86 +15,36 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from coordinator.errors import WorkerGone
-from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
-from coordinator.request import Request
-from coordinator.scheduler import Scheduler
-from coordinator.server import SERVICE_NAME
-from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
-from draft_worker import grpc_server as draft_server
-from draft_worker.worker import DraftWorker
+from coordinator.frontend.server_thread import LOOPBACK_SERVER, run_server_in_thread
+from coordinator.rounds.errors import WorkerGone
+from coordinator.rounds.grpc_clients import GrpcTargetClient
+from coordinator.rounds.request import Request
+from coordinator.rounds.scheduler import Scheduler
 from specdec import LocalEngine, ServiceConfig
-from specdec.app.ray_actors import free_port
 from specdec.client import GenerationClient
 from specdec.params import SamplingParams
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, build_checkpoint, cheap_drafting_policy, perturbed_copy, predraft_always
+from checkpoints import cheap_drafting_policy
 from gates import RoundGate, wait_until
-
-PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150, 4], list(range(40, 60))]
-GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
-SEEDED = SamplingParams(max_new_tokens=30, temperature=0.9, seed=77, ignore_eos=True)
-PARAMS = [GREEDY, SEEDED, dataclasses.replace(SEEDED, seed=2**64 - 2, top_k=30), GREEDY]
+from resume_cluster import GREEDY, PARAMS, PROMPTS, ServedWorker, resume_models, served_cluster
+from served_pair import health_status
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    target = build_checkpoint(tmp_path_factory.mktemp("resume-target"), seed=0, initializer_range=0.1,
-                              **CONFIGS["gqa_untied"])
-    draft = perturbed_copy(target, tmp_path_factory.mktemp("resume-draft"), noise=0.2)
-    return str(target), str(draft)
-
-
-class ServedWorker:
-    """A worker behind gRPC on a fixed port that can be killed and restarted fresh."""
-
-    def __init__(self, build, serve):
-        self.build, self.serve = build, serve
-        self.port = free_port()
-        self.server = None
-        self.start()
-
-    def start(self) -> None:
-        self.worker = self.build()
-        self.server, _ = self.serve(self.worker, f"127.0.0.1:{self.port}")
-
-    def kill(self) -> None:
-        self.server.stop(None).wait()
-        self.worker = None  # its state (KV cache, sequences) is gone
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    return resume_models(tmp_path_factory)
 
 
 @pytest.fixture(params=[False, True], ids=["serial", "overlap"])
 def cluster(models, request):
-    # K fixed (every round drafts, so a lost draft is noticed at once); see also the adaptive case.
-    # Serial and overlapped rounds (a pre-draft beside every verify, so a kill hits one in flight).
-    config = ServiceConfig.from_settings(target=models[0], draft=models[1], num_speculative_tokens=4,
-                                         adaptive=False, kv_cache_blocks=128, kv_block_size=8,
-                                         worker_round_timeout=2.0, worker_recovery_timeout=30.0,
-                                         overlap=request.param)
-    target = ServedWorker(lambda: TargetWorker.from_config(config.target), target_server.serve)
-    draft = ServedWorker(lambda: DraftWorker.from_config(config.draft), draft_server.serve)
-    clients = [GrpcTargetClient(target.address, 2.0), GrpcDraftClient(draft.address, 2.0)]
-    sched = Scheduler(clients[0], clients[1], None, config.scheduler)
-    if request.param:
-        predraft_always(sched)
-    yield SimpleNamespace(config=config, target=target, draft=draft, scheduler=sched)
-    for client in clients:
-        client.close()
-    for worker in (target, draft):
-        if worker.server is not None:
-            worker.server.stop(None)
+    yield from served_cluster(models, request.param)
 
 
 def reference(models, adaptive: bool) -> list[list[int]]:
@@ -310,12 +260,6 @@ def test_a_hung_worker_is_treated_as_dead_and_its_requests_resume(cluster, unint
 
 
 # --- through the public server: health, and a kill while draining ---------------------------
-
-
-def health_status(port: int) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
-        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
 
 
 def http_health(port: int) -> tuple[int, dict]:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
-from specdec.app import serve
-from specdec.app.embedded import LocalSchedulerFactory
+from coordinator.frontend.server_thread import LOOPBACK_SERVER, run_server_in_thread
 from specdec.config import ServerConfig, ServiceConfig, is_loopback
+from specdec_app import serve
+from specdec_app.embedded import LocalSchedulerFactory
 
 from checkpoints import CONFIGS, build_checkpoint
 
@@ -57,7 +57,7 @@ def test_exposed_serve_warns_before_it_binds(tmp_path):
         port = taken.getsockname()[1]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("SPECDEC_AUTH_TOKEN", None)
-        proc = subprocess.run([sys.executable, "-m", "specdec.app.cli", "serve", "--no-ray", "--host", "0.0.0.0",
+        proc = subprocess.run([sys.executable, "-m", "specdec_app.cli", "serve", "--no-ray", "--host", "0.0.0.0",
                                "--port", str(port)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     warning_at = proc.stderr.index("WARNING: this server is reachable from other machines")
@@ -86,7 +86,7 @@ def models_for_safety(tmp_path):
 _LISTENERS = textwrap.dedent("""
     import json, os, sys
     import ray
-    from specdec.app.serve import _ray_init
+    from specdec_app.serve_ray import _ray_init
     from specdec.config import ServiceConfig
 
     _ray_init(ServiceConfig(), quiet=True)

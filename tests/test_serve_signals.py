@@ -75,14 +75,14 @@ class Serve:
     """`specdec serve` (its own local Ray) in a process group of its own, its stdout read by a thread."""
 
     def __init__(self, models, grace_s: float):
-        from specdec.app.ray_actors import free_port
+        from specdec_app.ray_cluster import free_port
 
         target, draft = models
         self.port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         env.pop("RAY_ADDRESS", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec.app.cli", "serve", "--target", str(target), "--draft", str(draft),
+            [sys.executable, "-m", "specdec_app.cli", "serve", "--target", str(target), "--draft", str(draft),
              "--host", "127.0.0.1", "--port", str(self.port), "--http-port", "0", "--name", "specdec-signals",
              "--grace-period", str(grace_s), "--worker-round-timeout", "300", "--dashboard-port", "0", "--quiet"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -5,82 +5,39 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import replace
-from types import SimpleNamespace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from coordinator.server import SERVICE_NAME
-from coordinator.server_thread import LOOPBACK_SERVER, run_server_in_thread
+from coordinator.frontend.server import SERVICE_NAME
+from coordinator.frontend.server_thread import LOOPBACK_SERVER, run_server_in_thread
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
-from specdec import LocalEngine, ServiceConfig
-from specdec.app import generate as generate_command
-from specdec.app.embedded import GrpcSchedulerFactory, LocalSchedulerFactory
 from specdec.client import GenerationClient
-from specdec.params import SamplingParams
+from specdec_app import generate as generate_command
+from specdec_app.embedded import GrpcSchedulerFactory, LocalSchedulerFactory
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, add_chat_template, build_checkpoint, perturbed_copy
-from gates import Calls, RoundGate, wait_until  # wait_until: also imported from here by other tests
-
-K = 4
-MAX_POS = 128
-KV = dict(kv_cache_blocks=96, kv_block_size=8)
-PROMPTS = ["the quick brown fox", "hello server", "speculative decoding drafts tokens", "lazy dog"]
-SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
-
-
-def save_tokenizer(path) -> None:
-    """A tiny BPE trained here, vocab 120 (< the model's 300; larger model ids decode to nothing)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    corpus = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts tokens and the target "
-              "verifies them", "hello world, hello server; stream the text back to the client"] * 10
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"], show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
-
-
-def build_pair(tmp_path_factory, name: str, chat_template: bool = False) -> SimpleNamespace:
-    """A random target with a trained tokenizer (and, if asked, a chat template) and a perturbed
-    copy of it as the draft."""
-    target = build_checkpoint(tmp_path_factory.mktemp(f"{name}-target"), seed=0, max_position_embeddings=MAX_POS,
-                              **CONFIGS["gqa_untied"])
-    save_tokenizer(target)
-    if chat_template:
-        add_chat_template(target)
-    draft = perturbed_copy(target, tmp_path_factory.mktemp(f"{name}-draft"), noise=0.3)
-    return SimpleNamespace(target=str(target), draft=str(draft))
-
-
-def service_config(models, draft="model", **settings) -> ServiceConfig:
-    return ServiceConfig.from_settings(target=models.target, draft=models.draft if draft == "model" else draft,
-                                       num_speculative_tokens=K, adaptive=False, **KV, **settings)
-
-
-def local_reference(models) -> LocalEngine:
-    """What the served pair must answer: the same models in process, K fixed."""
-    return LocalEngine(models.target, draft=models.draft, num_speculative_tokens=K, adaptive=False, **KV)
-
-
-@contextmanager
-def serving(models):
-    """The pair behind an in-process gRPC server on loopback, and a client of it."""
-    factory = LocalSchedulerFactory(service_config(models))
-    with run_server_in_thread(factory, factory.tokenizer) as handle:
-        with GenerationClient(f"127.0.0.1:{handle.port}") as client:
-            yield SimpleNamespace(handle=handle, client=client, factory=factory, scheduler=handle.server.scheduler)
+from gates import Calls, RoundGate, wait_until
+from served_pair import (
+    PROMPTS,
+    SAMPLED,
+    build_pair,
+    expected,
+    health_status,
+    kv_used,
+    loading_factory,
+    local_reference,
+    self_signed_cert,
+    service_config,
+    serving,
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +54,6 @@ def reference(models):
 def served(models):
     with serving(models) as handle:
         yield handle
-
-
-def expected(reference, prompt, n=24, k=None, **sampling):
-    out = reference.generate([prompt], SamplingParams(max_new_tokens=n, **sampling), num_speculative_tokens=k)[0]
-    return out
-
-
-def slow_rounds(scheduler_thread, seconds):
-    """Rounds take `seconds` longer: for tests that want long rounds, not to catch a state (hold
-    the state with gates.RoundGate instead)."""
-    scheduler_thread.on_round = lambda report: time.sleep(seconds)
-
-
-def kv_used(factory) -> int:
-    return factory.target_worker.cache.allocator.num_used
 
 
 # --- the embedded server -------------------------------------------------------------------
@@ -358,19 +300,9 @@ def test_workers_over_grpc(models, reference):
         dserver.stop(None)
 
 
-def health_status(port) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
-
-
 def test_not_serving_until_ready_and_requests_wait(models, reference):
     factory = LocalSchedulerFactory(service_config(models))
-    gate = threading.Event()
-
-    def slow_factory():
-        gate.wait(120)  # the test sets it; the bound only ends a broken test
-        return factory()
-
+    gate, slow_factory = loading_factory(factory)
     with run_server_in_thread(slow_factory, factory.tokenizer, wait_ready=False) as handle:
         assert health_status(handle.port) == health_pb2.HealthCheckResponse.NOT_SERVING
         client = GenerationClient(f"127.0.0.1:{handle.port}")
@@ -395,20 +327,6 @@ def test_engine_start_failure_is_unavailable():
             with pytest.raises(grpc.RpcError) as info:
                 client.generate([1, 2], max_new_tokens=2)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "no checkpoint" in info.value.details()
-
-
-def self_signed_cert(tmp_path) -> tuple:
-    """A throwaway certificate and key for 127.0.0.1 (skips the test without openssl)."""
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return cert, key
 
 
 def test_tls(models, tmp_path):

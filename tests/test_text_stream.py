@@ -11,7 +11,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from coordinator.text_stream import TextStream, held_back_suffix
+from coordinator.rounds.text_stream import TextStream, held_back_suffix
 
 CORPUS = [
     "hello world, hello there. STOP here",

@@ -22,21 +22,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
-from coordinator.metrics import RoundMetrics
-from coordinator.request import Request
-from coordinator.scheduler import Scheduler
+from coordinator.rounds.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from coordinator.rounds.request import Request
+from coordinator.rounds.scheduler import Scheduler
+from coordinator.telemetry.metrics import RoundMetrics
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
 from specdec import ServiceConfig
-from specdec.app import loadtest
 from specdec.config import SchedulerConfig
 from specdec.params import SamplingParams
 from specdec.v1 import worker_pb2
+from specdec_app.loadtest import command as loadtest_command
 from target_worker import grpc_server as target_server
 from target_worker.worker import TargetWorker
 
-from checkpoints import PreDraftAlways, build_checkpoint, perturbed_copy
+from checkpoints import build_checkpoint, perturbed_copy, predraft_always
 
 VOCAB, K, MAX_Q = 4096, 4, 256
 SEQS, TOKENS = 4, 24
@@ -91,7 +91,7 @@ def run_rounds(workers, params: SamplingParams | list[SamplingParams], overlap: 
         sched = Scheduler(target, draft, None,
                           SchedulerConfig(num_speculative_tokens=K, max_batch_size=SEQS, adaptive=False,
                                           overlap=overlap))
-        sched.predraft_gate = PreDraftAlways()  # every round pre-drafts: the most messages overlap sends
+        predraft_always(sched)  # every round pre-drafts: the most messages overlap sends
         for i, prompt in enumerate(PROMPTS):
             sched.add_request(Request(f"r{i}", prompt, dataclasses.replace(params[i], seed=i)))
         metrics = RoundMetrics(wire={"draft": draft.wire, "target": target.wire}, export=False)
@@ -195,7 +195,7 @@ def test_top_k_requests_send_at_most_k_entries(workers):
 @pytest.mark.timeout(180)
 def test_loadtest_grpc_workers_reports_wire_bytes(models, tmp_path):
     parser = argparse.ArgumentParser()
-    loadtest.add_arguments(parser)
+    loadtest_command.add_arguments(parser)
     out_json = tmp_path / "wire.json"
     args = parser.parse_args(["--embedded", "--grpc-workers", "--target", models.target, "--draft", models.draft,
                               "-k", str(K), "--streams", "6", "--max-new-tokens", "16", "--cancel-fraction", "0",
@@ -203,7 +203,7 @@ def test_loadtest_grpc_workers_reports_wire_bytes(models, tmp_path):
                               "--no-progress", "--max-batch-size", "8", "--fixed-k"])
     out = io.StringIO()
     with redirect_stdout(out):
-        rc = loadtest.run(args)
+        rc = loadtest_command.run(args)
     print(out.getvalue())
     assert rc == 0, out.getvalue()
     assert "wire bytes per round" in out.getvalue() and "wire bytes per generated token" in out.getvalue()

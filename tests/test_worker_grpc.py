@@ -4,8 +4,8 @@ import socket
 import pytest
 import torch
 
-from coordinator.errors import WorkerInternalError, WorkerInvalidArgument, WorkerUnavailable
-from coordinator.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from coordinator.rounds.errors import WorkerInternalError, WorkerInvalidArgument, WorkerUnavailable
+from coordinator.rounds.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from draft_worker import grpc_server as draft_server
 from specdec import wire
 from specdec.params import SamplingParams

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, Keys
+from gguf.quants import dequantize
 
 # GGUF architecture -> Hugging Face model_type. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -82,15 +84,10 @@ class GGUFModelFile:
     """One GGUF file, its metadata parsed once (tensor data is memory-mapped, read on demand)."""
 
     def __init__(self, path: str | Path):
-        try:
-            import gguf
-        except ImportError as e:  # a declared dependency; this only helps a broken install
-            raise ImportError("reading .gguf files needs the gguf package: pip install gguf") from e
-
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(self.path))
+        self.reader = GGUFReader(str(self.path))
         self.architecture = ""  # `value` formats {arch} with it
-        self.architecture = str(self.value(gguf.Keys.General.ARCHITECTURE))
+        self.architecture = str(self.value(Keys.General.ARCHITECTURE))
         self._tensors = {t.name: t for t in self.reader.tensors}
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {self.architecture!r}: specdec runs "
@@ -114,8 +111,6 @@ class GGUFModelFile:
 
     def config(self) -> dict:
         """The file's hyper-parameters as Hugging Face config.json fields."""
-        from gguf import Keys
-
         heads = int(self._required(Keys.Attention.HEAD_COUNT))
         hidden = int(self._required(Keys.LLM.EMBEDDING_LENGTH))
         head_dim = int(self.value(Keys.Attention.KEY_LENGTH) or hidden // heads)
@@ -152,8 +147,6 @@ class GGUFModelFile:
         return config
 
     def _rope_scaling(self) -> dict | None:
-        from gguf import Keys
-
         kind = self.value(Keys.Rope.SCALING_TYPE)
         if ROPE_FREQS in self._tensors:
             if kind not in (None, "none"):
@@ -169,16 +162,11 @@ class GGUFModelFile:
     def _eos_token_ids(self) -> list[int]:
         """End-of-sequence, end-of-turn and end-of-message ids: any of them ends a generation
         (Hugging Face's generation_config lists them all for chat models)."""
-        from gguf import Keys
-
         ids = [self.value(key) for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)]
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
     def _numpy(self, name: str) -> np.ndarray:
         """A tensor as float32 in PyTorch's layout (dequantized if need be)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         tensor = self._tensors[name]
         shape = tuple(int(n) for n in reversed(tensor.shape))
         if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -192,8 +180,6 @@ class GGUFModelFile:
     def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Every weight by Hugging Face name, dequantized and converted one at a time (so only one
         float32 copy exists at once), q/k rows restored to Hugging Face's order."""
-        from gguf import Keys
-
         heads = int(self._required(Keys.Attention.HEAD_COUNT))
         kv_heads = int(self.value(Keys.Attention.HEAD_COUNT_KV) or heads)
         permuted = self.architecture in PERMUTED_QK
@@ -212,19 +198,15 @@ class GGUFModelFile:
 
     @property
     def chat_template(self) -> str | None:
-        from gguf import Keys
-
         template = self.value(Keys.Tokenizer.CHAT_TEMPLATE)
         return str(template) if template is not None else None
 
     def tokenizer(self):
         """The tokenizer in the metadata, built by transformers' GGUF support, with the chat
         template set; None when the file has no tokenizer."""
-        from gguf import Keys
-
         if self.value(Keys.Tokenizer.MODEL) is None:
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: heavy (~0.6 s), and only tokenizers need it
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name,

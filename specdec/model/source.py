@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w.\-/]+))?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -90,8 +91,6 @@ class CheckpointDirectory(ModelSource):
         return json.loads((self.path / "config.json").read_text())
 
     def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
         tensors: dict[str, torch.Tensor] = {}
         for file in sorted(self.path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
@@ -102,7 +101,7 @@ class CheckpointDirectory(ModelSource):
     def tokenizer(self):
         if not any((self.path / name).exists() for name in TOKENIZER_FILES):
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: heavy (~0.6 s), and only tokenizers need it
 
         return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
 
@@ -131,6 +130,7 @@ class GGUFFile(ModelSource):
 
     @cached_property
     def _file(self):
+        # Deferred: it loads the gguf package (~35 ms), which only .gguf files need.
         from specdec.model.gguf_file import GGUFModelFile
 
         try:
@@ -165,6 +165,7 @@ def hub_cache_dir() -> Path:
 
 def hub_snapshot(repo_id: str, revision: str | None) -> Path:
     """The cached snapshot directory of a Hub repository; never touches the network."""
+    # Deferred: only Hub ids need huggingface_hub (its errors module alone takes ~25 ms to load).
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 

@@ -1,0 +1,1 @@
+"""Metrics: the Ray dashboard's (RoundMetrics) and Prometheus' (/metrics)."""

@@ -57,6 +57,9 @@ class WorkerConfig:
         True, "on CPU without specdec's C kernels (cpu_kernels off or no compiler), also keep a oneDNN-packed "
               "copy of every weight matrix for passes of several tokens: about 2x faster there, twice the "
               "weight memory")
+    prefill_chunk_tokens: int = setting(
+        2048, "the most new tokens of one sequence a forward pass takes: a longer prompt is fed in chunks of "
+              "this many, so attention's memory is bounded by it rather than by the prompt")
     cpu_kernels: bool = setting(
         True, "on CPU (float32), run every forward pass in specdec's C kernels, built on first use with the "
               "system's C compiler: faster for small models, and batch-invariant (a token's logits do not "
@@ -78,6 +81,7 @@ class WorkerConfig:
                self.packed_weights)
         _check(isinstance(self.cpu_kernels, bool), f"{self.role}.cpu_kernels", "true or false",
                self.cpu_kernels)
+        _positive(f"{self.role}.prefill_chunk_tokens", self.prefill_chunk_tokens)
 
     @property
     def resolved_dtype(self) -> str:

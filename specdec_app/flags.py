@@ -18,6 +18,7 @@ from specdec.config import REPO_ROOT, ServiceConfig, describe, parse_setting
 SERVE_SETTINGS = {
     "models": ("target", "draft", "num_speculative_tokens", "adaptive", "overlap", "device", "dtype",
                "max_batch_size", "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "kv_memory_fraction",
+               "prefill_chunk_tokens",
                "target_threads", "draft_threads", "packed_weights", "cpu_kernels", "max_q_entries", "ngram_max",
                "ngram_min", "ngram_window"),
     "network": ("host", "port", "http_port", "tls_cert", "tls_key", "auth_token", "grace_period",

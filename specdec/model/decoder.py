@@ -13,6 +13,8 @@ other dtypes and machines without a C compiler.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,9 @@ from specdec.model.source import resolve_model_source
 from specdec.model.weights import ModelWeights, build_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tests only: "1" lets bfloat16/float16 models run on the CPU (torch's ops), so that the half
+# precision code a GPU runs is executed somewhere in CI.
+CPU_HALF_PRECISION_ENV = "SPECDEC_TEST_CPU_HALF_PRECISION"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -119,13 +124,15 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
     `device` in `dtype`; a GGUF's quantized weights are dequantized to `dtype` as they load.
     packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear).
-    cpu_kernels: on CPU run the ops between the products in specdec's C kernels (model.cpu_kernels)
-    where they can be built."""
+    cpu_kernels: on CPU in float32 run every pass in specdec's C kernels (model.cpu_kernels) where
+    they can be built. Half precision is for GPUs; CPU_HALF_PRECISION_ENV lets tests run it on the
+    CPU through torch's ops, as a GPU would."""
     torch_dtype = resolve_dtype(dtype)
-    if torch.device(device).type == "cpu" and torch_dtype != torch.float32:
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and torch_dtype != torch.float32 and os.environ.get(CPU_HALF_PRECISION_ENV) != "1":
         raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
-    kernels = load_cpu_kernels() if cpu_kernels and torch.device(device).type == "cpu" else None
+    kernels = load_cpu_kernels() if cpu_kernels and on_cpu and torch_dtype == torch.float32 else None
     weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype, packed_weights, kernels)
     return Model(config, weights, device, torch_dtype, kernels)

@@ -42,6 +42,7 @@ class ModelRunner:
         elif num_blocks is None:
             num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)
+        self.chunk_tokens = config.prefill_chunk_tokens
         self.forward_passes = 0
 
     @staticmethod
@@ -62,15 +63,38 @@ class ModelRunner:
         return self.model.config.max_position_embeddings
 
     def run(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
-        """Feed new_tokens[i] to sequence i; return its last num_logits[i] logits rows ([n, V])."""
+        """Feed new_tokens[i] to sequence i; return its last num_logits[i] logits rows ([n, V]).
+
+        A sequence with more than `chunk_tokens` new tokens (a long prompt) is fed in passes of at
+        most that many, each sequence's next chunk in the next pass, so a pass's attention memory
+        is bounded by the setting, not by the prompt. On the C kernels' path the logits are the
+        same bits either way (a token's computation does not depend on its pass)."""
         lengths_before = [self.cache.length(s) for s in seq_ids]
         try:
-            batch = prepare_forward(self.cache, seq_ids, new_tokens, num_logits)
-            logits = self.model.forward(batch, self.cache)
+            if max(map(len, new_tokens)) <= self.chunk_tokens:
+                return list(self._pass(seq_ids, new_tokens, num_logits).split(num_logits))
+            return self._chunked(seq_ids, new_tokens, num_logits)
         except BaseException:
             # Leave the cache as it was so a failed pass (e.g. KV cache full) costs no blocks.
             for seq_id, length in zip(seq_ids, lengths_before):
                 self.cache.truncate_to(seq_id, length)
             raise
+
+    def _pass(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        logits = self.model.forward(prepare_forward(self.cache, seq_ids, new_tokens, num_logits), self.cache)
         self.forward_passes += 1
-        return list(logits.split(num_logits))
+        return logits
+
+    def _chunked(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+        rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+        for start in range(0, max(map(len, new_tokens)), self.chunk_tokens):
+            active = [i for i, tokens in enumerate(new_tokens) if len(tokens) > start]
+            pieces = [new_tokens[i][start:start + self.chunk_tokens] for i in active]
+            # The rows asked for are a suffix of the sequence's new tokens: the part of it in this
+            # piece is a suffix of the piece.
+            wanted = [max(0, start + len(piece) - max(start, len(new_tokens[i]) - num_logits[i]))
+                      for i, piece in zip(active, pieces)]
+            logits = self._pass([seq_ids[i] for i in active], pieces, wanted)
+            for i, part in zip(active, logits.split(wanted)):
+                rows[i].append(part)
+        return [torch.cat(parts) for parts in rows]

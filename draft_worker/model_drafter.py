@@ -23,7 +23,6 @@ from specdec.sampling import (
     presence_mask,
     probs_from_logits,
     sample_from_probs,
-    top_entries,
     uniforms,
 )
 from specdec.sampling.transforms import LARGEST_LOGIT, MIN_TEMPERATURE
@@ -81,8 +80,13 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
         if not rows:
             return tokens, {}
-        ids, q = top_entries(probs[rows], max_q_entries)  # [S, n]
-        widths = [ids.shape[1]] * len(rows)
+        # Each row's own width, as in the branch above: a request's rows are stacked across the
+        # steps of a call, and the batch (so the branch taken) can change between steps.
+        most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
+        widths = [min(most, params[i].top_k or most) for i in rows]
+        # Largest first: beyond a top-k row's width every entry is 0 (the top-k filter zeroed it).
+        top, ids = torch.topk(probs[rows].float(), max(widths), dim=-1)  # [S, n]
+        q = top / top.sum(dim=-1, keepdim=True)
     u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device)
     tokens[rows] = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.

@@ -258,6 +258,27 @@ def test_draft_q_rows_keep_their_own_width_in_mixed_batches(target_dir):
                 assert float(p.q.probs[row][p.q.token_ids[row] == token].sum()) > 0
 
 
+@pytest.mark.parametrize("max_q_entries", [16, VOCAB])
+def test_q_rows_keep_their_width_when_a_top_p_request_leaves_the_draft_steps(target_dir, max_q_entries):
+    """A top-p request beside a top-k one samples through another branch (full distributions);
+    once the top-p request's steps end, the top-k request's later steps take the top-k branch.
+    Its rows must still stack (found by scripts/gpu_check.py's mixed batch: a width of 256 in
+    one step and 5 in the next, before each row kept its own width in both branches)."""
+    drafter = DraftWorker.from_config(DraftConfig(model=str(target_dir), max_q_entries=max_q_entries,
+                                                  kv_block_size=4)).drafter
+    tasks = [DraftTask("k5", PROMPTS[0], 4, SamplingParams(temperature=0.8, top_k=5, seed=1)),
+             DraftTask("p", PROMPTS[1], 1, SamplingParams(temperature=0.8, top_p=0.9, seed=2)),
+             DraftTask("all", PROMPTS[2], 2, SamplingParams(temperature=0.8, seed=3))]
+    proposals = {p.req_id: p for p in drafter.propose(tasks)}
+    widest = max_q_entries
+    assert proposals["k5"].q.token_ids.shape == (4, 5)
+    assert proposals["p"].q.token_ids.shape == (1, widest) and proposals["all"].q.token_ids.shape == (2, widest)
+    for p in proposals.values():  # each token lies in its own q's support, which sums to 1
+        assert torch.allclose(p.q.probs.sum(dim=1), torch.ones(len(p.tokens)))
+        for row, token in enumerate(p.tokens):
+            assert float(p.q.probs[row][p.q.token_ids[row] == token].sum()) > 0
+
+
 class _ScriptedK:
     """A stand-in policy that asks the same K of every request each round, from a script."""
 

@@ -1,0 +1,28 @@
+"""scripts/gpu_check.py, the prepared device check, runs its every check on this machine's CPU
+(--device cpu --quick) from the checkout, with nothing imported that a bare CUDA machine lacks
+(grpc, Ray, fastapi): what a GPU session runs once must not fail for a reason CI could catch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_device_check_runs_on_the_cpu_and_writes_its_reports(tmp_path):
+    run = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "scripts/gpu_check.py"), "--device", "cpu",
+                          "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loaded = {line.split("|")[-1].strip().split(".")[0] for line in run.stderr.splitlines() if "import time:" in line}
+    assert not loaded & {"grpc", "ray", "fastapi", "uvicorn"}
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["speculative_greedy_equals_target_greedy_float32"] is True
+    assert report["mixed_sampled_batch_with_overlap_lengths"] == [24, 24, 24]
+    assert report["parity_float32_max_abs"] < 1e-3 and report["parity_bfloat16_max_abs"] < 0.05
+    assert report["host_syncs_per_round"] > 0 and report["cost_ratio_c"] > 0 and report["step_over_floor"] > 0
+    assert "| speculative_greedy_equals_target_greedy_float32 | True |" in (tmp_path / "gpu_check.md").read_text()

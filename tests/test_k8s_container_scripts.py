@@ -162,6 +162,39 @@ def test_head_script_kills_a_serve_that_overruns_its_grace_period(tmp_path):
     (serve,) = [x for x in lines if x.startswith("specdec serve")]
     assert "--grace-period 0.3" in serve
 
+def _head_stop_handler() -> str:
+    """The head script's on_stop function, as written in the manifest."""
+    script = script_of(ray_container(base_groups()["head"]))
+    lines = script[script.index("on_stop() {"):].splitlines()
+    return "\n".join(lines[:lines.index("}") + 1])
+
+
+@needs_bash
+def test_head_stop_handler_leaves_the_restart_wait_alone_and_reaches_a_serve_started_meanwhile():
+    """A trap runs between any two commands, so SIGTERM may land between `sleep DELAY &` and
+    `wait $!`, or between forking a new serve and `serve_pid=$!`. Run on_stop exactly there: it
+    must not change $! (a timer job would leave the loop waiting for the whole grace period), and
+    the serve started meanwhile must get SIGTERM from the script's re-check."""
+    script = script_of(ray_container(base_groups()["head"]))
+    assert 'serve_pid=$!\n' in script
+    recheck = script[script.index("serve_pid=$!\n"):].splitlines()[1:3]
+    assert any(x.strip() == '[ -n "$stopping" ] && on_stop' for x in recheck), recheck
+    harness = (f"SPECDEC_GRACE_PERIOD=0.2; SPECDEC_STOP_SECONDS=0.2; stopped_pid=''\n"
+               f"{_head_stop_handler()}\n"
+               "sleep 0 & serve_pid=$!; wait $serve_pid        # a serve that has exited\n"
+               "sleep 30 & delay_pid=$!                      # the restart delay\n"
+               "on_stop                                       # SIGTERM lands here\n"
+               '[ "$!" = "$delay_pid" ] && echo "restart wait kept"\n'
+               "kill $delay_pid; wait $delay_pid\n"
+               "sleep 30 & serve_pid=$!                      # a serve forked meanwhile\n"
+               '[ -n "$stopping" ] && on_stop                 # the re-check\n'
+               '[ -n "$stopping" ] && on_stop                 # once is enough\n'
+               'wait $serve_pid; echo "serve status $?"\n')
+    result = subprocess.run(["bash", "-c", harness], capture_output=True, text=True, timeout=20,
+                            start_new_session=True)
+    assert result.stdout.splitlines() == ["restart wait kept", f"serve status {128 + signal.SIGTERM}"], (
+        result.stdout, result.stderr)
+
 # --- the init container that fills the model volume -------------------------------------------
 
 FAKE_HUB = """

@@ -10,7 +10,9 @@ It writes <out>/gpu_check.json and <out>/gpu_check.md:
 - parity: our logits against Hugging Face's, float32 and bfloat16, on a random Llama checkpoint;
 - exactness: speculative greedy == the target's own greedy (float32), and a mixed sampled batch
   (top_k 0 / 5 / 50, top_p) with overlapped drafting on, run through the real scheduler;
-- memory: the peak of a prompt at the context limit (chunked prefill);
+- memory: the peak of a prompt at the context limit (chunked prefill); the KV cache the target
+  shape takes at kv_memory_fraction 0.5, and whether its largest pass at the longest context then
+  stays within the measured headroom;
 - host syncs: .item / .tolist / .cpu / bool() per scheduler round, counted;
 - timings on random-weight models of the reference pair's shapes (Llama-3.2-1B drafting for 3B,
   bfloat16; tiny shapes in --quick): a plain step against the memory floor (weight bytes / the
@@ -42,6 +44,7 @@ from specdec.model import load_model  # noqa: E402
 from specdec.model.batch import prepare_forward  # noqa: E402
 from specdec.model.config import ModelConfig  # noqa: E402
 from specdec.model.decoder import CPU_HALF_PRECISION_ENV, Model  # noqa: E402
+from specdec.model.memory_budget import CudaMemory, accelerator_num_blocks, activation_headroom  # noqa: E402
 from specdec.model.weights import build_weights  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
 from target_worker.worker import TargetWorker  # noqa: E402
@@ -230,6 +233,31 @@ def checks(device: str, quick: bool, out: Path) -> dict:
     return report
 
 
+def kv_budget(model: Model, dev: torch.device, chunk: int, block_size: int = 16) -> dict:
+    """The cache the runner sizes for `model` at kv_memory_fraction 0.5, then the largest pass
+    (a full chunk) at the longest context that cache allows: its peak must stay in the headroom."""
+    if dev.type != "cuda":
+        return {"kv_budget": "not measured: no device memory counters on the CPU "
+                             "(tests/test_memory_budget.py checks the arithmetic)"}
+    memory = CudaMemory(dev)
+    try:
+        headroom = activation_headroom(model, memory, block_size, chunk)
+        blocks = accelerator_num_blocks(model, memory, block_size, 0.5, chunk)
+    except MemoryError as error:
+        return {"kv_budget": str(error)}
+    cache = model.new_kv_cache(blocks, block_size)
+    cache.add_sequence("long")
+    cache.append_slots("long", max(0, min(blocks * block_size, model.config.max_position_embeddings) - chunk))
+    batch = prepare_forward(cache, ["long"], [[0] * chunk], [1])
+    memory.reset_peak()
+    before = memory.allocated()
+    model.forward(batch, cache)
+    used = memory.peak() - before
+    del cache, batch
+    return {"kv_budget_blocks": blocks, "kv_budget_headroom_bytes": headroom,
+            "kv_budget_largest_pass_bytes": used, "kv_budget_pass_within_headroom": used <= headroom}
+
+
 def timings(dev: torch.device, quick: bool) -> dict:
     """Step, verify and draft costs of the reference shapes, the floor, and predicted speedups."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -244,7 +272,8 @@ def timings(dev: torch.device, quick: bool) -> dict:
     c, verify_ratio = draft_step / step, verify / step
     predicted = {f"predicted_speedup_alpha_{a}_k5": (1 - a ** 6) / (1 - a) / (5 * c + verify_ratio) for a in (0.6, 0.8)}
     return {"shapes": [draft_shape, target_shape], "plain_step_s": step, "step_over_floor": step / floor,
-            "draft_step_s": draft_step, "cost_ratio_c": c, "verify6_over_step": verify_ratio, **predicted}
+            "draft_step_s": draft_step, "cost_ratio_c": c, "verify6_over_step": verify_ratio, **predicted,
+            **kv_budget(target, dev, 256 if quick else 2048)}
 
 
 def main(argv: list[str] | None = None) -> int:

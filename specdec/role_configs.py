@@ -50,16 +50,18 @@ class WorkerConfig:
     kv_cache_max_bytes: int = setting(1 << 30, "memory cap of the default KV-cache size, in bytes")
     num_threads: int | None = setting(None, "torch intra-op threads of the worker; unset: torch's default")
     kv_memory_fraction: float = setting(
-        0.9, "on CUDA, unless kv_cache_blocks is set: the share of the accelerator memory still free after "
-             "the weights that the KV cache takes (like other servers' GPU memory utilisation); on CPU the "
-             "fixed default size applies")
+        0.9, "on CUDA, unless kv_cache_blocks is set: the share of the GPU's total memory this worker may "
+             "hold, weights, measured activation headroom and KV cache together (like other servers' GPU "
+             "memory utilisation); workers sharing a GPU need shares that sum to at most 1, and none takes "
+             "more than is free when it starts; on CPU the fixed default size applies")
     packed_weights: bool = setting(
         True, "on CPU without specdec's C kernels (cpu_kernels off or no compiler), also keep a oneDNN-packed "
               "copy of every weight matrix for passes of several tokens: about 2x faster there, twice the "
               "weight memory")
     prefill_chunk_tokens: int = setting(
-        2048, "the most new tokens of one sequence a forward pass takes: a longer prompt is fed in chunks of "
-              "this many, so attention's memory is bounded by it rather than by the prompt")
+        2048, "the most new tokens a forward pass takes in all: longer prompts are fed in chunks of this many, "
+              "so a pass's memory is bounded by it rather than by the prompts (on CUDA the KV cache leaves "
+              "room for the activations of such a pass)")
     cpu_kernels: bool = setting(
         True, "on CPU (float32), run every forward pass in specdec's C kernels, built on first use with the "
               "system's C compiler: faster for small models, and batch-invariant (a token's logits do not "

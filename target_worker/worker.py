@@ -29,7 +29,7 @@ from specdec.sampling import (
     speculative_verify,
     uniforms,
 )
-from target_worker.proposal_check import proposal_problem
+from target_worker.proposal_check import proposal_problems
 
 
 @dataclass
@@ -141,7 +141,7 @@ class TargetWorker:
             return self._result([])
         for task in tasks:
             self._check(task)
-        refused = {t.req_id: why for t in tasks if (why := proposal_problem(t, self.runner.vocab_size))}
+        refused = proposal_problems(tasks, self.runner.vocab_size)
         if refused:
             verified = self.verify([t for t in tasks if t.req_id not in refused], [])
             by_id = {o.req_id: o for o in verified.outcomes}

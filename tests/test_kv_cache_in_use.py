@@ -327,31 +327,3 @@ def test_scheduler_churn_never_leaks_blocks(checkpoints, seed, policy):
     out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert len(out[0].token_ids) == 5
     assert tcache.allocator.num_used == 0 and dcache.allocator.num_used == 0
-
-
-# ---------------------------------------------------------------- the cache's size on an accelerator
-
-class _ReportsCuda:
-    """The real model, but reporting its weights on a CUDA device: the runner then sizes its cache
-    from free accelerator memory (the cache itself is still built on CPU here, no GPU needed)."""
-
-    def __init__(self, model):
-        self.config = model.config
-        self.weights = type("Weights", (), {"embed": type("Embed", (), {
-            "device": torch.device("cuda", 0), "element_size": staticmethod(lambda: 4)})()})()
-        self.new_kv_cache = model.new_kv_cache
-
-
-def test_kv_cache_on_an_accelerator_takes_its_fraction_of_free_memory(checkpoints, monkeypatch):
-    from specdec.model.runner import bytes_per_block
-
-    target_dir, _ = checkpoints
-    model = _ReportsCuda(load_model(target_dir))
-    block = bytes_per_block(model, 4)
-    asked = []
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (1000 * block, 4000 * block))
-    runner = ModelRunner(model, WorkerConfig(kv_block_size=4, kv_memory_fraction=0.5))
-    assert runner.cache.allocator.num_blocks == 500 and asked == [torch.device("cuda", 0)]
-    # An explicit size wins, and a tiny fraction still leaves one block.
-    assert ModelRunner(model, WorkerConfig(kv_cache_blocks=7, kv_block_size=4)).cache.allocator.num_blocks == 7
-    assert ModelRunner(model, WorkerConfig(kv_block_size=4, kv_memory_fraction=1e-9)).cache.allocator.num_blocks == 1

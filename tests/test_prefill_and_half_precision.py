@@ -1,7 +1,7 @@
 """Two things the GPU path needs that CI can run on its CPU.
 
-Chunked prefill: a prompt longer than prefill_chunk_tokens is fed in passes of at most that many
-tokens (attention's memory bounded by the setting, not the prompt); on the C kernels the logits
+Chunked prefill: prompts of more than prefill_chunk_tokens in all are fed in passes of at most that
+many tokens (a pass's memory bounded by the setting, not the prompts); on the C kernels the logits
 and the cache are the same bits as fed whole, on torch's ops the same to float32 rounding.
 
 Half precision: bfloat16 runs on the CPU behind a test-only switch (torch's ops, as a GPU would),
@@ -57,7 +57,7 @@ def test_a_prompt_fed_in_chunks_gives_the_logits_and_cache_of_one_pass(model_dir
         step = runner.run(["a", "b"], [[5], [6]], [1, 1])  # then a decode step over the cache
         runs[chunk] = (logits, step, runner.forward_passes)
     (whole, whole_step, one), (chunked, chunked_step, passes) = runs[1024], runs[64]
-    assert (one, passes) == (2, 5 + 1)  # 300 tokens in passes of 64: 5, then the step
+    assert (one, passes) == (2, 6 + 1)  # 300 + 70 tokens in passes of 64 in all: 6, then the step
     assert [t.shape[0] for t in chunked] == [120, 1]
     if cpu_kernels and load_model(model_dir).kernels is not None:
         assert all(torch.equal(a, b) for a, b in zip(whole + whole_step, chunked + chunked_step))

@@ -7,16 +7,10 @@ from specdec.config import WorkerConfig
 from specdec.kv_cache import PagedKVCache, blocks_for_tokens
 from specdec.model.batch import prepare_forward
 from specdec.model.decoder import Model, load_model
+from specdec.model.memory_budget import CudaMemory, DeviceMemory, accelerator_num_blocks, bytes_per_block
 
 # Without an explicit size the cache holds this many sequences of the model's full context.
 DEFAULT_FULL_SEQUENCES = 32
-
-
-def bytes_per_block(model: Model, block_size: int) -> int:
-    """Memory of one KV-cache block: keys and values of `block_size` tokens in every layer."""
-    c = model.config
-    return (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
-            * model.weights.embed.element_size())
 
 
 def default_num_blocks(model: Model, block_size: int, max_cache_bytes: int) -> int:
@@ -26,19 +20,16 @@ def default_num_blocks(model: Model, block_size: int, max_cache_bytes: int) -> i
     return max(1, min(wanted, max_cache_bytes // bytes_per_block(model, block_size)))
 
 
-def accelerator_num_blocks(model: Model, block_size: int, memory_fraction: float) -> int:
-    """As many blocks as `memory_fraction` of the accelerator memory still free after the weights
-    holds: the cache is the one thing that grows with load, so it gets what the weights leave."""
-    free_bytes, _total = torch.cuda.mem_get_info(model.weights.embed.device)
-    return max(1, int(free_bytes * memory_fraction) // bytes_per_block(model, block_size))
-
-
 class ModelRunner:
-    def __init__(self, model: Model, config: WorkerConfig):
+    def __init__(self, model: Model, config: WorkerConfig, memory: DeviceMemory | None = None):
+        """`memory`: what sizes the cache on an accelerator (torch.cuda's counters by default)."""
         self.model = model
+        device = model.weights.embed.device
         num_blocks = config.kv_cache_blocks
-        if num_blocks is None and model.weights.embed.device.type == "cuda":
-            num_blocks = accelerator_num_blocks(model, config.kv_block_size, config.kv_memory_fraction)
+        if num_blocks is None and device.type == "cuda":
+            num_blocks = accelerator_num_blocks(model, memory or CudaMemory(device), config.kv_block_size,
+                                                config.kv_memory_fraction, config.prefill_chunk_tokens,
+                                                f"{config.role}.kv_memory_fraction")
         elif num_blocks is None:
             num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)
@@ -65,13 +56,14 @@ class ModelRunner:
     def run(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
         """Feed new_tokens[i] to sequence i; return its last num_logits[i] logits rows ([n, V]).
 
-        A sequence with more than `chunk_tokens` new tokens (a long prompt) is fed in passes of at
-        most that many, each sequence's next chunk in the next pass, so a pass's attention memory
-        is bounded by the setting, not by the prompt. On the C kernels' path the logits are the
-        same bits either way (a token's computation does not depend on its pass)."""
+        A pass takes at most `chunk_tokens` new tokens in all: more (a long prompt, or several
+        prompts at once) are fed in consecutive passes, each sequence's tokens in order, so a
+        pass's memory is bounded by the setting (and the accelerator's headroom measured for it,
+        memory_budget), not by the prompts. On the C kernels' path the logits are the same bits
+        either way (a token's computation does not depend on its pass)."""
         lengths_before = [self.cache.length(s) for s in seq_ids]
         try:
-            if max(map(len, new_tokens)) <= self.chunk_tokens:
+            if sum(map(len, new_tokens)) <= self.chunk_tokens:
                 return list(self._pass(seq_ids, new_tokens, num_logits).split(num_logits))
             return self._chunked(seq_ids, new_tokens, num_logits)
         except BaseException:
@@ -87,14 +79,22 @@ class ModelRunner:
 
     def _chunked(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
-        for start in range(0, max(map(len, new_tokens)), self.chunk_tokens):
-            active = [i for i, tokens in enumerate(new_tokens) if len(tokens) > start]
-            pieces = [new_tokens[i][start:start + self.chunk_tokens] for i in active]
+        fed = [0] * len(seq_ids)  # tokens of each sequence already in the cache
+        while True:
+            room, active, pieces = self.chunk_tokens, [], []
+            for i, tokens in enumerate(new_tokens):
+                take = min(len(tokens) - fed[i], room)
+                if take > 0:
+                    active.append(i)
+                    pieces.append(tokens[fed[i]:fed[i] + take])
+                    room -= take
+            if not active:
+                return [torch.cat(parts) for parts in rows]
             # The rows asked for are a suffix of the sequence's new tokens: the part of it in this
             # piece is a suffix of the piece.
-            wanted = [max(0, start + len(piece) - max(start, len(new_tokens[i]) - num_logits[i]))
+            wanted = [max(0, fed[i] + len(piece) - max(fed[i], len(new_tokens[i]) - num_logits[i]))
                       for i, piece in zip(active, pieces)]
             logits = self._pass([seq_ids[i] for i in active], pieces, wanted)
-            for i, part in zip(active, logits.split(wanted)):
+            for i, piece, part in zip(active, pieces, logits.split(wanted)):
                 rows[i].append(part)
-        return [torch.cat(parts) for parts in rows]
+                fed[i] += len(piece)

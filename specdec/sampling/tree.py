@@ -46,11 +46,8 @@ def tree_verify(
         r = (p_root if node < 0 else p[node]).double()
         proposal = (q_root if node < 0 else q[node]).double()
         children = [i for i, parent in enumerate(parents) if parent == node]
-        chosen = _first_accepted(r, proposal, children, tokens, greedy, u_accept)
-        if chosen is None:
-            break
-        child, r = chosen
-        if child is None:  # every child rejected: r is the last residual
+        child, r = _try_children(r, proposal, children, tokens, greedy, u_accept)
+        if child is None:  # r: the node's p (no children, the bonus) or the last residual
             break
         path.append(child)
         node = child
@@ -59,11 +56,9 @@ def tree_verify(
     return path, int(sample_from_probs(r[None], u_next[node][None])[0])
 
 
-def _first_accepted(r: torch.Tensor, q: torch.Tensor, children: list[int], tokens: list[int], greedy: bool,
-                    u_accept: torch.Tensor) -> tuple[int | None, torch.Tensor] | None:
-    """(the accepted child, or None with the last residual); None when there are no children."""
-    if not children:
-        return None
+def _try_children(r: torch.Tensor, q: torch.Tensor, children: list[int], tokens: list[int], greedy: bool,
+                  u_accept: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+    """(the accepted child or None, the distribution the next token is then drawn from)."""
     if greedy:
         best = int(r.argmax())
         return next((c for c in children if tokens[c] == best), None), r

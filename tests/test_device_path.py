@@ -110,7 +110,8 @@ def test_uniforms_made_on_a_device_are_the_cpus_bits():
 
 
 # On a GPU every read of a tensor's values (.item, .tolist, .cpu, bool) waits for the device. A
-# round reads per draft step its tokens and, sampled, the sampler's one repair flag; then a few for
+# round reads per draft step its tokens and, sampled on the CPU, the sampler's repair flag (off the
+# CPU the sampler reads none: test_speculative_math); then a few for
 # the verify (the proposal checks' flags, the accepted counts and tokens). Measured on this CPU at
 # K = 4, batch 1 / 8: greedy 4.5 / 4.2, sampled 11.3 / 10.9 per round; with the proposal checked
 # task by task (before), sampled read 14.9 / 37.3.

@@ -269,6 +269,30 @@ def test_sample_from_probs_repairs_a_cdf_a_parallel_scan_rounded_up(monkeypatch)
     assert sample_from_probs(probs, u).tolist() == [2, 1]
 
 
+def test_the_gpus_always_repaired_search_never_draws_a_zero_probability_token(monkeypatch):
+    """Off the CPU every row is searched on the repaired cdf (no flag read back): on an exact cdf
+    it picks the CPU path's tokens; on one a parallel scan rounded up at zero-probability tokens it
+    still never draws one, and where the CPU path had to repair a row, it picks the same."""
+    import specdec.sampling.speculative as speculative
+
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(400, 12, generator=gen, dtype=torch.float64)
+    probs[torch.rand(400, 12, generator=gen) < 0.4] = 0.0
+    probs[:, 5] += 1e-3  # every row keeps some mass
+    u = torch.rand(400, generator=gen, dtype=torch.float64)
+    exact = torch.cumsum(probs, dim=-1)
+    assert torch.equal(speculative._search(speculative._repaired(probs, exact), u), sample_from_probs(probs, u))
+    # Zero-probability steps raised (far beyond a real scan's rounding, so that random u hit them).
+    rounded_up = exact + torch.where(probs == 0, 0.05, 0.0)
+    raw = speculative._search(rounded_up, u)
+    hit = (probs.gather(1, raw[:, None]) == 0).squeeze(1)
+    assert int(hit.sum()) > 10  # the repair has work to do
+    always_repaired = speculative._search(speculative._repaired(probs, rounded_up), u)
+    assert bool((probs.gather(1, always_repaired[:, None]) > 0).all())
+    monkeypatch.setattr(speculative.torch, "cumsum", lambda x, dim: rounded_up.clone())
+    assert torch.equal(sample_from_probs(probs, u)[hit], always_repaired[hit])
+
+
 # ---------------------------------------------------------------- per-request randomness
 
 def test_uniforms_are_a_function_of_seed_position_and_purpose_only():

@@ -25,6 +25,10 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """
     probs, uniforms = probs.double(), uniforms.double().to(probs.device)
     cdf = torch.cumsum(probs, dim=-1)
+    if probs.device.type != "cpu":
+        # Off the CPU every row is searched on the repaired cdf: the same index as below, without
+        # reading a flag back to the host (a sync per draft step on a GPU).
+        return _search(_repaired(probs, cdf), uniforms)
     idx = _search(cdf, uniforms)
     # searchsorted(right=True) picks the first index whose cdf exceeds the target. A sequential
     # cumsum (the CPU's) never decreases, so that index is a strict increase: a token with
@@ -32,10 +36,14 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # neighbour's; only then (one check) are the rows searched again on a repaired cdf.
     bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
     if bool(bad.any()):
-        # At zero-probability tokens repeat the previous value, and force monotonicity with cummax.
-        repaired = torch.where(probs[bad] > 0, cdf[bad], 0.0).cummax(dim=-1).values
-        idx[bad] = _search(repaired, uniforms[bad])
+        idx[bad] = _search(_repaired(probs[bad], cdf[bad]), uniforms[bad])
     return idx
+
+
+def _repaired(probs: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
+    """[N, V] cdf with each zero-probability token's value the previous token's, made monotone:
+    where the cdf was right already, a search finds the same positive-probability index."""
+    return torch.where(probs > 0, cdf, 0.0).cummax(dim=-1).values
 
 
 def _search(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

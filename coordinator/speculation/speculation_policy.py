@@ -14,20 +14,20 @@ The model:
 - The choice maximises committed tokens per second, sum E(alpha_i, K_i) / seconds: draft tokens
   are added in decreasing order of worth and the best prefix wins, i.e. a common threshold on
   worth (each kept token is worth at least what it costs; draft steps are shared by the batch).
-- Probes keep K = 0 from being a trap: a kind's requests at K = 0 gain no evidence, so while a
-  kind has no request drafting on merit it earns probe time, PROBE_SHARE of each round's seconds;
-  once that covers a probe's predicted price (a draft call catching up the request's backlog,
-  one draft step, one more verified token), the request of that kind that has gone longest
-  without drafting (the smaller backlog among equals) drafts 1 token, and the price is spent.
-  Its result moves its own estimate and the pool's. So probing a drafter that never pays costs
-  at most PROBE_SHARE of the time, however dear its catch-up (a draft as large as the target);
-  a cheap one is probed every few rounds. No probe where even acceptance 1 could not pay for
-  drafting (while that price is measured: it fades with rounds that do not draft).
+- Probes keep K = 0 from being a trap: a kind's requests at K = 0 gain no evidence, so once a
+  kind has had no drafting round for its probe interval, one request of that kind drafts 1 token:
+  the one that has gone longest without drafting (the smaller backlog among equals). Its result
+  moves its own estimate and the pool's. The interval starts at 2 rounds and doubles, up to
+  MAX_PROBE_INTERVAL, after each probe that brings no request back, and resets when one drafts on
+  merit; it counts in rounds' worth of the probe's predicted price (a draft call catching up the
+  request's backlog, a step, one more verified token) where that exceeds a plain round, so a dear
+  probe (a draft as large as the target) costs no more of the time than a cheap one. No probe
+  where even acceptance 1 could not pay for drafting (while that price is measured: it fades
+  with rounds that do not draft).
 - Seeded sampled requests: which draws decide a token depends on K, so their K must follow their
   own history only. Each maximises its own E / reference cost, 1 + K (c + REFERENCE_VERIFY_TOKEN_COST)
   in target steps, c = draft/target parameter ratio, from the constant prior INITIAL_ACCEPTANCE,
-  and probes on its own clock of rounds (after 2, doubling to 1 / PROBE_SHARE while none brings
-  it back); never the pool, the batch, or a timing.
+  and probes on its own clock of rounds; never the pool, the batch, or a timing.
 choose() changes no state (a round that then fails leaves the policy as it was); observe()
 records what the round that ran did.
 """
@@ -41,9 +41,7 @@ from coordinator.speculation.round_costs import RoundCosts, RoundShape
 PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
 DECAY = 0.9  # a request's evidence per round: acceptance shifts within a request (code, then prose)
 INITIAL_ACCEPTANCE = 0.6  # the pool's prior before any evidence, and seeded requests' prior
-# Probing a drafter that never pays costs at most this share of the time at K = 0 (a seeded
-# request: of its rounds).
-PROBE_SHARE = 1 / 64
+MAX_PROBE_INTERVAL = 64  # rounds: probing a drafter that never pays costs about 1 round in this many
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests' rule)
 _ALPHA_MAX = 0.999  # keeps E finite
 
@@ -64,7 +62,7 @@ class PolicyRequest:
 
 @dataclass
 class Evidence:
-    """Accepted and tested draft tokens, faded; rounds at K = 0; a seeded request's probe interval."""
+    """Accepted and tested draft tokens, faded; a probe clock (rounds at 0, the current interval)."""
 
     accepted: float = 0.0
     tested: float = 0.0
@@ -82,11 +80,10 @@ class Evidence:
 
     def probed(self, brought_back: bool) -> None:
         self.rounds_at_zero = 0
-        self.interval = 2 if brought_back else min(2 * self.interval, round(1 / PROBE_SHARE))
+        self.interval = 2 if brought_back else min(2 * self.interval, MAX_PROBE_INTERVAL)
 
-    @property
-    def probe_due(self) -> bool:
-        return self.rounds_at_zero + 1 >= self.interval
+    def probe_due(self, price_in_rounds: float = 1.0) -> bool:
+        return self.rounds_at_zero + 1 >= self.interval * price_in_rounds
 
 
 @dataclass
@@ -95,7 +92,6 @@ class _Chosen:
 
     ks: dict[str, int] = field(default_factory=dict)
     probes: dict[str, bool] = field(default_factory=dict)  # req_id -> greedy, of the unseeded probes
-    probe_seconds: dict[bool, float] = field(default_factory=dict)  # kind -> the probe's predicted price
     seeded_probes: set[str] = field(default_factory=set)
 
 
@@ -104,8 +100,7 @@ class SpeculationPolicy:
         self.costs = costs
         self.reference_draft_cost = reference_draft_cost  # draft step / target step (seeded requests)
         self._own: dict[str, Evidence] = {}
-        self._pool = {True: Evidence(), False: Evidence()}  # by greedy
-        self._probe_credit = {True: 0.0, False: 0.0}  # by greedy: seconds of probing earned
+        self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
         self._chosen = _Chosen()
 
     # -- estimates ------------------------------------------------------------------------------
@@ -135,15 +130,13 @@ class SpeculationPolicy:
             kind = [r for r in free if r.greedy == greedy]
             if kind and not any(ks[r.req_id] for r in kind) and self._worth_probing():
                 probe = max(kind, key=lambda r: (self._rounds_at_zero(r), -r.backlog))
-                price = self._probe_seconds(probe)
-                if self._probe_credit[greedy] >= price:
+                if self._pool[greedy].probe_due(self._probe_rounds(probe, len(requests))):
                     ks[probe.req_id], chosen.probes[probe.req_id] = 1, greedy
-                    chosen.probe_seconds[greedy] = price
         for r in requests:
             if r.seeded and r.cap > 0:
                 evidence = self._own.get(r.req_id) or Evidence()
                 ks[r.req_id] = self._seeded_choice(evidence.alpha(INITIAL_ACCEPTANCE), r.cap)
-                if ks[r.req_id] == 0 and evidence.probe_due:
+                if ks[r.req_id] == 0 and evidence.probe_due():
                     ks[r.req_id] = 1
                     chosen.seeded_probes.add(r.req_id)
         chosen.ks = ks
@@ -180,11 +173,13 @@ class SpeculationPolicy:
         own = self._own.get(request.req_id)
         return own.rounds_at_zero if own is not None else 0
 
-    def _probe_seconds(self, request: PolicyRequest) -> float:
-        """What drafting 1 token for `request` adds to a round: a draft call that catches up its
-        backlog and takes one step, and one more verified token (0 where unmeasured: try it)."""
+    def _probe_rounds(self, request: PolicyRequest, batch: int) -> float:
+        """What drafting 1 token for `request` adds to a round (a draft call that catches up its
+        backlog and takes one step, one more verified token), in plain rounds of this batch; at
+        least 1 (0-priced where unmeasured: try it)."""
         v0, v1, v2, d0, d1, d2, d3, overhead = self.costs.coefficients()
-        return v1 + (0.0 if request.greedy else 2 * v2) + d0 + d1 + d2 + d3 * request.backlog
+        price = v1 + (0.0 if request.greedy else 2 * v2) + d0 + d1 + d2 + d3 * request.backlog
+        return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self) -> bool:
         """Could drafting pay at all: at acceptance 1, does some K beat plain decoding (one request)?
@@ -227,16 +222,15 @@ class SpeculationPolicy:
                 own.rounds_at_zero += 1
             if update.finished:
                 self._own.pop(update.req_id, None)
-        present = {greedy.get(u.req_id, True) for u in report.updates}
         for kind, pool in self._pool.items():
             if pooled[kind][1]:  # fading by DECAY per PRIOR_WEIGHT tokens tested: a memory of ~40
                 pool.add(*pooled[kind], fade=DECAY ** (pooled[kind][1] / PRIOR_WEIGHT))
             if drafted[kind]:
-                self._probe_credit[kind] = 0.0
-            elif kind in chosen.probe_seconds:
-                self._probe_credit[kind] = max(0.0, self._probe_credit[kind] - chosen.probe_seconds[kind])
-            elif kind in present:
-                self._probe_credit[kind] += PROBE_SHARE * report.total_seconds
+                pool.probed(brought_back=True)
+            elif kind in chosen.probes.values():
+                pool.probed(brought_back=False)
+            else:
+                pool.rounds_at_zero += 1
         self.costs.observe(report_shape(report, greedy), report.verify_seconds, report.draft_seconds,
                            report.overhead_seconds, prefill=report.target_prefill > 0)
         self._chosen = _Chosen()

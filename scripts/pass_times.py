@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Milliseconds of single forward passes of the shipped pair, for A/B runs between commits.
+
+    PYTHONPATH=<checkout> python scripts/pass_times.py <checkout>   # one JSON line per run
+
+Passes (batch x new tokens) of 1 x 1, 1 x 6, 8 x 1 and 8 x 6 over a 200-token context, and a
+300-token prompt, for the target and the draft; each the best of 3 x 30 passes (3 x 3 for the
+prompt), 2 threads. Run two checkouts alternately, several times each, and compare medians
+(docs/bench-2026-11-26.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def best_ms(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best * 1e3
+
+
+def model_times(path: str) -> dict:
+    from specdec.model.batch import prepare_forward
+    from specdec.model.decoder import load_model
+
+    model = load_model(path)
+    cache = model.new_kv_cache(1024, 16)
+    seqs = [f"s{i}" for i in range(8)]
+    for seq in seqs + ["prompt"]:
+        cache.add_sequence(seq)
+    model.forward(prepare_forward(cache, seqs, [[5] * 200] * 8, [1] * 8), cache)
+
+    def run(batch: int, new: int):
+        def once():
+            model.forward(prepare_forward(cache, seqs[:batch], [[7] * new] * batch, [new] * batch), cache)
+            for seq in seqs[:batch]:
+                cache.truncate_to(seq, 200)
+        return once
+
+    def prompt():
+        model.forward(prepare_forward(cache, ["prompt"], [[9] * 300], [1]), cache)
+        cache.truncate_to("prompt", 0)
+
+    times = {f"b{batch} x{new}": best_ms(run(batch, new), 30) for batch in (1, 8) for new in (1, 6)}
+    times["prompt300"] = best_ms(prompt, 3)
+    return times
+
+
+def main(root: str) -> dict:
+    sys.path.insert(0, root)  # the checkout measured, whatever is installed
+    torch.set_num_threads(2)
+    return {f"{name} {k}": v for name in ("target", "draft")
+            for k, v in model_times(os.path.join(root, "models", name)).items()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else ".")))

@@ -111,10 +111,10 @@ def test_uniforms_made_on_a_device_are_the_cpus_bits():
 
 # On a GPU every read of a tensor's values (.item, .tolist, .cpu, bool) waits for the device. A
 # round reads per draft step its tokens and, sampled on the CPU, the sampler's repair flag (off the
-# CPU the sampler reads none: test_speculative_math); then a few for
-# the verify (the proposal checks' flags, the accepted counts and tokens). Measured on this CPU at
-# K = 4, batch 1 / 8: greedy 4.5 / 4.2, sampled 11.3 / 10.9 per round; with the proposal checked
-# task by task (before), sampled read 14.9 / 37.3.
+# CPU the sampler reads none: test_speculative_math); then a few for the verify (the proposal
+# checks' flags, the accepted counts and tokens). Measured on this CPU at K = 4, batch 1 / 8:
+# greedy 4.5 / 4.2, sampled 11.3 / 10.9 per round; with the proposal checked task by task
+# (before), sampled read 14.9 / 37.3.
 K = 4
 SYNCS_PER_DRAFT_STEP = 2
 SYNCS_PER_VERIFY = 6
@@ -123,7 +123,7 @@ SYNCS_PER_VERIFY = 6
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_host_syncs_per_round_are_a_constant_whatever_the_batch(model_dir, tmp_path, temperature):
     import sys
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts"))  # the device check's counting hook (scripts/ is no package)
     from gpu_check import counted_host_syncs, generate, scheduler
 
     from checkpoints import perturbed_copy

@@ -17,16 +17,18 @@ BLOCK = 4
 CHUNK = 32
 
 
-class OnCuda:
-    """The real model, reporting its weights on cuda:0 (so the runner sizes from device memory);
-    records the (new tokens, context) of each pass it runs."""
+class Recorded:
+    """The real model, recording the (new tokens, context) of each pass it runs; `on_cuda`: it
+    reports its weights on cuda:0, so the runner sizes its cache from device memory."""
 
-    def __init__(self, model):
+    def __init__(self, model, on_cuda: bool = True):
         self._model = model
         self.passes: list[tuple[int, int]] = []
-        embed = type("Embed", (), {"device": torch.device("cuda", 0),
-                                   "element_size": staticmethod(model.weights.embed.element_size)})()
-        self.weights = type("Weights", (), {"embed": embed})()
+        self.weights = model.weights
+        if on_cuda:
+            embed = type("Embed", (), {"device": torch.device("cuda", 0),
+                                       "element_size": staticmethod(model.weights.embed.element_size)})()
+            self.weights = type("Weights", (), {"embed": embed})()
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -75,7 +77,7 @@ def test_a_worker_takes_its_share_less_its_weights_and_the_measured_headroom(mod
     # context, so 256 positions (224 beyond the first chunk, 7 chunks) need 100 + 70 blocks' worth.
     memory = ScriptedMemory(total=10 * weights + 4000 * block, free=10 * weights + 4000 * block,
                             peaks=[100 * block, 110 * block])
-    on_cuda = OnCuda(model)
+    on_cuda = Recorded(model)
     runner = ModelRunner(on_cuda, _config(kv_memory_fraction=0.5), memory)
     expected = (int(0.5 * memory.total) - weights - 170 * block) // block
     assert runner.cache.allocator.num_blocks == expected
@@ -89,7 +91,7 @@ def test_a_worker_sharing_the_gpu_takes_no_more_than_is_free(model):
     the total, and neither takes more than is free less its headroom."""
     block = bytes_per_block(model, BLOCK)
     memory = ScriptedMemory(total=100_000 * block, free=300 * block, peaks=[50 * block, 50 * block])
-    runner = ModelRunner(OnCuda(model), _config(kv_memory_fraction=0.9), memory)
+    runner = ModelRunner(Recorded(model), _config(kv_memory_fraction=0.9), memory)
     assert runner.cache.allocator.num_blocks == 250
 
 
@@ -97,12 +99,12 @@ def test_no_room_for_a_cache_is_an_error_naming_the_setting(model):
     block = bytes_per_block(model, BLOCK)
     memory = ScriptedMemory(total=100_000 * block, free=40 * block, peaks=[50 * block, 50 * block])
     with pytest.raises(MemoryError, match=r"target\.kv_memory_fraction=0\.9 .* prefill_chunk_tokens=32"):
-        ModelRunner(OnCuda(model), _config(kv_memory_fraction=0.9), memory)
+        ModelRunner(Recorded(model), _config(kv_memory_fraction=0.9), memory)
 
 
 def test_an_explicit_size_wins_and_measures_nothing(model):
     memory = ScriptedMemory(total=0, free=0, peaks=[])
-    on_cuda = OnCuda(model)
+    on_cuda = Recorded(model)
     assert ModelRunner(on_cuda, _config(kv_cache_blocks=7), memory).cache.allocator.num_blocks == 7
     assert on_cuda.passes == [] and memory.resets == 0
 
@@ -110,8 +112,7 @@ def test_an_explicit_size_wins_and_measures_nothing(model):
 def test_passes_never_take_more_than_the_chunk_in_all(model):
     """The probe's chunk must be the largest pass: several prompts at once are fed in passes of at
     most prefill_chunk_tokens tokens together, each prompt in order."""
-    on_cpu = OnCuda(model)
-    on_cpu.weights = model.weights
+    on_cpu = Recorded(model, on_cuda=False)
     runner = ModelRunner(on_cpu, _config(kv_cache_blocks=64))
     prompts = [list(range(1, 1 + n)) for n in (20, 30, 5)]
     for seq in "abc":

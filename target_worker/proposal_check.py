@@ -7,6 +7,8 @@ the other requests of the round go on.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specdec.round_types import VerifyTask
@@ -23,9 +25,9 @@ def proposal_problems(tasks: list[VerifyTask], vocab_size: int) -> dict[str, str
     checked = [t for t in tasks if t.req_id not in problems and _needs_q(t)]
     if checked:
         device = checked[0].q.probs.device
-        flags = torch.stack([_q_is_valid(t, vocab_size).to(device) for t in checked]).tolist()
-        problems.update({t.req_id: _q_problem(t, vocab_size) or "q failed its checks" for t, ok in zip(checked, flags)
-                     if not ok})
+        checks = [_q_checks(t, vocab_size) for t in checked]
+        flags = torch.stack([torch.stack([flag for flag, _ in c]).all().to(device) for c in checks]).tolist()
+        problems.update({t.req_id: _first_failure(c) for t, c, ok in zip(checked, checks, flags) if not ok})
     return problems
 
 
@@ -44,30 +46,25 @@ def _host_problem(task: VerifyTask, vocab_size: int) -> str | None:
     return None
 
 
-def _q_of_drafted(task: VerifyTask, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    drafted = torch.tensor(task.draft_tokens, dtype=torch.long, device=ids.device)[:, None]  # [K, 1]
-    return torch.where(ids == drafted, probs, torch.zeros_like(probs)).sum(dim=1)  # [K]
-
-
-def _q_is_valid(task: VerifyTask, vocab_size: int) -> torch.Tensor:
-    """0-d bool on q's device: every check of _q_problem passes (no host sync)."""
+def _q_checks(task: VerifyTask, vocab_size: int) -> list[tuple[torch.Tensor, Callable[[], str]]]:
+    """Each check of q, in order: (a 0-d bool on q's device, True where it passes: no host sync;
+    the reason, worked out only for a check that fails)."""
     ids, probs = task.q.token_ids.long(), task.q.probs.double()  # [K, n] each
-    finite = torch.isfinite(probs).all() & (probs >= 0).all()
-    in_vocab = ~((probs > 0) & ((ids < 0) | (ids >= vocab_size))).any()
-    normalised = ((probs.sum(dim=1) - 1).abs() <= _SUM_TOLERANCE).all()
-    return finite & in_vocab & normalised & (_q_of_drafted(task, ids, probs) > 0).all()
+    in_vocab = (ids >= 0) & (ids < vocab_size)
+    sums = probs.sum(dim=1)  # [K]
+    drafted = torch.tensor(task.draft_tokens, dtype=torch.long, device=ids.device)[:, None]  # [K, 1]
+    q_of_drafted = torch.where(ids == drafted, probs, torch.zeros_like(probs)).sum(dim=1)  # [K]
+    return [
+        (torch.isfinite(probs).all() & (probs >= 0).all(), lambda: "q has negative or non-finite probabilities"),
+        (~((probs > 0) & ~in_vocab).any(),
+         lambda: f"q gives probability to token ids outside the vocabulary [0, {vocab_size})"),
+        (((sums - 1).abs() <= _SUM_TOLERANCE).all(),
+         lambda: f"q rows must sum to 1, got sums {[round(float(s), 6) for s in sums[:5]]}"),
+        ((q_of_drafted > 0).all(),
+         lambda: f"draft tokens at positions {(q_of_drafted <= 0).nonzero().flatten().tolist()[:5]} have "
+                 "probability 0 under the q sent with them"),
+    ]
 
 
-def _q_problem(task: VerifyTask, vocab_size: int) -> str | None:
-    ids, probs = task.q.token_ids.long(), task.q.probs.double()
-    if not torch.isfinite(probs).all() or (probs < 0).any():
-        return "q has negative or non-finite probabilities"
-    if ((probs > 0) & ((ids < 0) | (ids >= vocab_size))).any():
-        return f"q gives probability to token ids outside the vocabulary [0, {vocab_size})"
-    sums = probs.sum(dim=1)
-    if ((sums - 1).abs() > _SUM_TOLERANCE).any():
-        return f"q rows must sum to 1, got sums {[round(float(s), 6) for s in sums[:5]]}"
-    outside = (_q_of_drafted(task, ids, probs) <= 0).nonzero().flatten().tolist()
-    if outside:
-        return f"draft tokens at positions {outside[:5]} have probability 0 under the q sent with them"
-    return None
+def _first_failure(checks: list[tuple[torch.Tensor, Callable[[], str]]]) -> str:
+    return next(reason() for flag, reason in checks if not bool(flag))

@@ -242,7 +242,7 @@ def kv_budget(model: Model, dev: torch.device, chunk: int, block_size: int = 16)
     memory = CudaMemory(dev)
     try:
         headroom = activation_headroom(model, memory, block_size, chunk)
-        blocks = accelerator_num_blocks(model, memory, block_size, 0.5, chunk)
+        blocks = accelerator_num_blocks(model, memory, block_size, 0.5, chunk, headroom=headroom)
     except MemoryError as error:
         return {"kv_budget": str(error)}
     cache = model.new_kv_cache(blocks, block_size)

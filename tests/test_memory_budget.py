@@ -121,3 +121,13 @@ def test_passes_never_take_more_than_the_chunk_in_all(model):
     assert [t.shape[0] for t in logits] == [1, 2, 5]
     assert [tokens for tokens, _ in on_cpu.passes] == [32, 23]
     assert [runner.cache.length(s) for s in "abc"] == [20, 30, 5]
+
+
+def test_a_headroom_measured_already_is_not_measured_again(model):
+    from specdec.model.memory_budget import accelerator_num_blocks
+
+    block = bytes_per_block(model, BLOCK)
+    memory = ScriptedMemory(total=100_000 * block, free=300 * block, peaks=[])
+    recorded = Recorded(model)
+    assert accelerator_num_blocks(recorded, memory, BLOCK, 0.9, CHUNK, headroom=50 * block) == 250
+    assert recorded.passes == [] and memory.resets == 0

@@ -85,11 +85,14 @@ def activation_headroom(model: Model, memory: DeviceMemory, block_size: int, chu
 
 
 def accelerator_num_blocks(model: Model, memory: DeviceMemory, block_size: int, share: float,
-                           chunk_tokens: int, where: str = "kv_memory_fraction") -> int:
+                           chunk_tokens: int, where: str = "kv_memory_fraction",
+                           headroom: int | None = None) -> int:
     """KV-cache blocks that fit this worker's share of the device after its weights and measured
-    headroom, never more than is free now. `where` names the setting in the error."""
+    headroom (`headroom`: measured already by the caller), never more than is free now. `where`
+    names the setting in the error."""
     weight_bytes = model.num_parameters * model.weights.embed.element_size()
-    headroom = activation_headroom(model, memory, block_size, chunk_tokens)
+    if headroom is None:
+        headroom = activation_headroom(model, memory, block_size, chunk_tokens)
     free, total = memory.free_and_total()
     budget = min(int(share * total) - weight_bytes, free) - headroom
     blocks = budget // bytes_per_block(model, block_size)

@@ -128,9 +128,11 @@ class SpeculationPolicy:
         ks.update(self._merit(free, [self.alpha(r) for r in free], requests))
         for greedy in (True, False):
             kind = [r for r in free if r.greedy == greedy]
-            if kind and not any(ks[r.req_id] for r in kind) and self._worth_probing():
+            pool = self._pool[greedy]
+            # Cheapest tests first: a round at K = 0 mostly ends at the interval (a price is >= 1).
+            if kind and not any(ks[r.req_id] for r in kind) and pool.probe_due() and self._worth_probing():
                 probe = max(kind, key=lambda r: (self._rounds_at_zero(r), -r.backlog))
-                if self._pool[greedy].probe_due(self._probe_rounds(probe, len(requests))):
+                if pool.probe_due(self._probe_rounds(probe, len(requests))):
                     ks[probe.req_id], chosen.probes[probe.req_id] = 1, greedy
         for r in requests:
             if r.seeded and r.cap > 0:

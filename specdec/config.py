@@ -57,6 +57,7 @@ def cache_dir() -> Path:
 _RENAMED = {
     ("target", "model"): "target", ("draft", "model"): "draft",
     ("target", "num_threads"): "target_threads", ("draft", "num_threads"): "draft_threads",
+    ("target", "weights"): "target_weights", ("draft", "weights"): "draft_weights",
     ("ray", "enabled"): "ray", ("ray", "address"): "ray_address", ("replicas", "count"): "replicas",
 }
 

@@ -15,6 +15,7 @@ SHIPPED_TARGET = REPO_ROOT / "models" / "target"
 SHIPPED_DRAFT = REPO_ROOT / "models" / "draft"
 NGRAM = "ngram"  # the draft "model" that is prompt lookup, not a checkpoint
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("auto", "fp", "q8", "q4")  # specdec.model.quantized
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,11 @@ class WorkerConfig:
         2048, "the most new tokens a forward pass takes in all: longer prompts are fed in chunks of this many, "
               "so a pass's memory is bounded by it rather than by the prompts (on CUDA the KV cache leaves "
               "room for the activations of such a pass)")
+    weights: str = setting(
+        "auto", "how weight matrices are held and multiplied: fp (floats of the dtype), q8 or q4 (8- or 4-bit "
+                "codes with a scale per 32 numbers, computed as codes in specdec's C kernels: CPU, float32), or "
+                "auto: a GGUF file's own quantization (Q8_0, Q4_0 and Q4_1 exactly, other types at the nearest of "
+                "q8/q4) on CPU, floats otherwise")
     cpu_kernels: bool = setting(
         True, "on CPU (float32), run every forward pass in specdec's C kernels, built on first use with the "
               "system's C compiler: faster for small models, and batch-invariant (a token's logits do not "
@@ -81,6 +87,8 @@ class WorkerConfig:
                f"{self.role}.kv_memory_fraction", "a number in (0, 1]", self.kv_memory_fraction)
         _check(isinstance(self.packed_weights, bool), f"{self.role}.packed_weights", "true or false",
                self.packed_weights)
+        _check(self.weights in WEIGHT_FORMATS, f"{self.role}.weights", f"one of {', '.join(WEIGHT_FORMATS)}",
+               self.weights)
         _check(isinstance(self.cpu_kernels, bool), f"{self.role}.cpu_kernels", "true or false",
                self.cpu_kernels)
         _positive(f"{self.role}.prefill_chunk_tokens", self.prefill_chunk_tokens)

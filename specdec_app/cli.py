@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "bench": ("specdec_app.bench.command", "benchmark speculative vs plain decoding and Hugging Face"),
     "bench-step": ("specdec_app.bench.step_command", "decode step vs its physical floor and vs HF (real shape)"),
     "bench-policy": ("specdec_app.bench.policy_command", "adaptive K vs the best fixed K, on a family of pairs"),
+    "bench-peer": ("specdec_app.bench.peer_command", "specdec beside llama.cpp on the same quantized GGUF files"),
+    "bench-quant": ("specdec_app.bench.quant_command", "q8/q4 weights against the same model in floats"),
     "loadtest": ("specdec_app.loadtest.command",
                  "bounded concurrent-stream load test: latency, throughput, no loss, KV freed"),
 }

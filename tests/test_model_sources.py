@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from specdec import LocalEngine, SamplingParams
 from specdec.model import ModelSourceError, load_model, resolve_model_source
 from specdec.model.gguf_file import unpermute_rows
+from specdec.model.quantized import QuantizedMatrix
 from specdec.tokenizer import load_tokenizer
 from specdec_app.bench.arguments import model_problem
 from specdec_app.bench.hf_runner import load_hf
@@ -89,10 +90,52 @@ def test_gguf_tensors_are_the_reference_weights(gguf_files, name, tensor_type):
 
 @pytest.mark.parametrize("name,tensor_type", ALL_GGUF)
 def test_gguf_greedy_matches_transformers_on_the_same_weights(gguf_files, name, tensor_type):
+    """With float weights (`weights fp`) a GGUF runs as its dequantized reference does in transformers."""
     path, reference = gguf_files[name, tensor_type]
-    engine = LocalEngine(str(path), draft="ngram", num_speculative_tokens=3, kv_block_size=8, adaptive=False)
+    engine = LocalEngine(str(path), draft="ngram", num_speculative_tokens=3, kv_block_size=8, adaptive=False,
+                         target_weights="fp")
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name,tensor_type", [c for c in ALL_GGUF if c[1].startswith("Q")])
+def test_quantized_gguf_keeps_its_codes(gguf_files, name, tensor_type):
+    """By default a quantized GGUF is held as codes: Q8_0, Q4_0 and Q4_1 exactly the file's numbers,
+    other types at the nearest format; each projection's bytes are a fraction of the floats'."""
+    path, reference = gguf_files[name, tensor_type]
+    kept = resolve_model_source(str(path)).tensors(torch.float32, keep_quantized=True)
+    expected = load_file(str(reference / "model.safetensors"))
+    for key, value in expected.items():
+        if value.dim() == 2 and value.shape[1] % 32 == 0:
+            matrix = kept[key]
+            assert isinstance(matrix, QuantizedMatrix), key
+            if tensor_type in ("Q8_0", "Q4_0", "Q4_1"):
+                assert torch.equal(matrix.dequantize(), value), key
+            else:
+                assert matrix.bits == (8 if tensor_type == "Q6_K" else 4)
+                scale = value.abs().amax()
+                assert (matrix.dequantize() - value).abs().amax() <= scale / (14 if matrix.bits == 4 else 200), key
+    model = load_model(path)
+    assert model.quantized
+    for projection in model.weights.layers[0].projections():  # the file's float matrices stay floats
+        assert (projection.weight is None) == (projection.in_features % 32 == 0)
+        if projection.weight is None:  # bits / 8 bytes a number (in 64-column panels), one byte never widened
+            panels = projection.panels
+            padded_columns = -(-projection.out_features // 64) * 64
+            assert panels.codes.numel() * 8 == projection.in_features * padded_columns * panels.bits
+
+
+@pytest.mark.parametrize("name,tensor_type", [("llama_gqa", "Q4_1"), ("qwen3_tied", "Q8_0"), ("qwen2_biases", "Q4_0"),
+                                              ("llama_k_quants", "Q4_K")])
+def test_quantized_gguf_speculation_equals_its_own_plain_decoding(gguf_files, name, tensor_type):
+    """Held as codes, the model differs from the float reference, but speculative output is still
+    exactly what plain decoding of the same codes gives (n-gram drafts and the GGUF drafting itself)."""
+    path, _ = gguf_files[name, tensor_type]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = LocalEngine(str(path), draft=None, kv_block_size=8).generate(PROMPTS, params)
+    for draft in ("ngram", str(path)):
+        engine = LocalEngine(str(path), draft=draft, num_speculative_tokens=3, kv_block_size=8, adaptive=False)
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in plain]
 
 
 def test_gguf_config_matches_the_checkpoint(gguf_files, hf_checkpoints):
@@ -251,7 +294,8 @@ def test_hub_repository_of_one_gguf_file(hub_cache, gguf_files):
     source = resolve_model_source("acme/tiny-qwen3-GGUF")
     assert source.kind == "gguf" and source.path.name == "model.gguf"
     reference = gguf_files["qwen3_tied", "Q8_0"][1]
-    engine = LocalEngine("acme/tiny-qwen3-GGUF", draft="ngram", num_speculative_tokens=2, adaptive=False)
+    engine = LocalEngine("acme/tiny-qwen3-GGUF", draft="ngram", num_speculative_tokens=2, adaptive=False,
+                         target_weights="fp")
     [out] = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.token_ids == hf_greedy(reference, PROMPTS[0], NEW_TOKENS)
 

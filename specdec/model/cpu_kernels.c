@@ -261,3 +261,247 @@ void matmul(const float *x, int64_t m, int64_t k_len, const float *panels, int64
         }
     }
 }
+
+/* --- quantized projections ----------------------------------------------------------------------
+
+A quantized weight [K, N] keeps integer codes with a scale d (and for 4-bit codes a minimum m) per
+group of QGROUP consecutive k of one column n: w[k, n] = d[g, n] * c[k, n] + m[g, n], g = k / QGROUP
+(8-bit: c in -127..127, stored as c + 128; 4-bit: c in 0..15). Each product first quantizes its
+input rows the same way, symmetric per group (dx = max |x| / 127, xq = round(x / dx)), then sums
+codes times codes in int32 (exact: any order, any vector width gives the same integer) and only
+then goes to floats, always in this chain for y[m, n]: for each group g in order,
+    dot = sum over the group of c[k, n] * xq[m, k]         (int32; 8-bit: sum (c + 128) xq - 128 sum xq)
+    acc = fma(d[g, n], dx[m, g] * dot, acc)
+    acc = fma(m[g, n], dx[m, g] * sum of the group's xq[m, k], acc)     (4-bit with minimums)
+then + bias[n]. So a row's output never depends on the other rows or the threads, like the float
+product's; weights are never widened in memory, and the sums run on the CPU's int8 dot-product
+instructions where it has them (AVX-512 VNNI), else in plain C to the same integers.
+
+Layout, panels of PANEL columns as the float weights: codes [ceil(N / PANEL)][K / 4][PANEL * 4 *
+bits / 8] bytes, each block of 4 consecutive k ("a quad") holding column j's 4 codes side by side
+(byte 4 j + i: k = 4 quad + i). 4-bit quads are 128 bytes: bytes 0-63 hold columns 0-15 in their low
+nibbles and 16-31 in their high ones, bytes 64-127 columns 32-47 and 48-63 likewise. Scales and
+minimums are floats [ceil(N / PANEL)][K / QGROUP][PANEL]. */
+
+#define QGROUP 32
+#define QUADS (QGROUP / 4)
+
+int64_t quant_group(void) { return QGROUP; }
+
+/* The code of column j, k = 4 quad + i, from a quad's bytes. */
+static inline int32_t quad_code(const uint8_t *quad, int64_t bits, int j, int i) {
+    if (bits == 8) return (int32_t)quad[4 * j + i] - 128;
+    const int z = j / 16;
+    const uint8_t byte = quad[(z / 2) * 64 + (j % 16) * 4 + i];
+    return (z & 1) ? byte >> 4 : byte & 15;
+}
+
+/* Each row of x [M, K] quantized per group: xq [M, K], dx [M, K / QGROUP], xsum [M, K / QGROUP]. */
+static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, float *dx, int32_t *xsum) {
+    const int64_t groups = k_len / QGROUP;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + r * k_len + g * QGROUP;
+            float amax = 0.0f;
+            for (int k = 0; k < QGROUP; k++) amax = fmaxf(amax, fabsf(v[k]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            for (int k = 0; k < QGROUP; k++) {
+                const int32_t q = (int32_t)nearbyintf(v[k] * inv);
+                xq[r * k_len + g * QGROUP + k] = (int8_t)q;
+                sum += q;
+            }
+            dx[r * groups + g] = d;
+            xsum[r * groups + g] = sum;
+        }
+}
+
+/* y [rows][cols] (row stride y_stride) of one panel: rows (1-4) quantized input rows (xq, dx, xsum
+   of those rows, row stride k_len and groups) times the panel's codes, scales d and minimums mn
+   [groups][PANEL] (mn may be NULL), + bias (may be NULL), in the chain above. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QUANT_DOT_SIMD 1
+/* Half a panel (32 columns) at a time, so that every row's int32 sums and float accumulators stay
+   in registers across the groups (4 rows: 16 of the 32 vector registers). */
+static inline __attribute__((always_inline)) void panel_rows_quantized(
+    const uint8_t *codes, int64_t bits, const float *d, const float *mn, const int8_t *xq, const float *dx,
+    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const float *bias, int64_t cols,
+    float *y, int64_t y_stride) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const int64_t quad_bytes = PANEL * bits / 2;
+    for (int half = 0; half < 2; half++) {
+        __m512 acc[4][2];
+        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i dot[4][2];
+            for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+            for (int q = 0; q < QUADS; q++) {
+                const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes;
+                __m512i w0, w1;
+                if (bits == 8) {
+                    w0 = _mm512_loadu_si512(quad + 128 * half), w1 = _mm512_loadu_si512(quad + 128 * half + 64);
+                } else {
+                    const __m512i both = _mm512_loadu_si512(quad + 64 * half);
+                    w0 = _mm512_and_si512(both, low), w1 = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
+                }
+                for (int r = 0; r < rows; r++) {
+                    int32_t four;
+                    memcpy(&four, xq + r * k_len + g * QGROUP + 4 * q, 4);
+                    const __m512i xv = _mm512_set1_epi32(four);
+                    dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xv);
+                    dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xv);
+                }
+            }
+            const float *dg = d + g * PANEL + 32 * half;
+            const __m512 d0 = _mm512_loadu_ps(dg), d1 = _mm512_loadu_ps(dg + 16);
+            for (int r = 0; r < rows; r++) {
+                const int32_t sum = xsum[r * groups + g];
+                const float scale = dx[r * groups + g];
+                if (bits == 8) { /* the codes were stored + 128 */
+                    const __m512i offset = _mm512_set1_epi32(128 * sum);
+                    dot[r][0] = _mm512_sub_epi32(dot[r][0], offset), dot[r][1] = _mm512_sub_epi32(dot[r][1], offset);
+                }
+                const __m512 sv = _mm512_set1_ps(scale);
+                acc[r][0] = _mm512_fmadd_ps(d0, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(dot[r][0])), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(d1, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(dot[r][1])), acc[r][1]);
+                if (mn) {
+                    const __m512 xs = _mm512_set1_ps(scale * (float)sum);
+                    const float *mg = mn + g * PANEL + 32 * half;
+                    acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(mg), xs, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(mg + 16), xs, acc[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            float out[32];
+            _mm512_storeu_ps(out, acc[r][0]), _mm512_storeu_ps(out + 16, acc[r][1]);
+            for (int64_t j = 0; j < 32 && 32 * half + j < cols; j++)
+                y[r * y_stride + 32 * half + j] = bias ? out[j] + bias[32 * half + j] : out[j];
+        }
+    }
+}
+#else
+#define QUANT_DOT_SIMD 0
+static inline void panel_rows_quantized(
+    const uint8_t *codes, int64_t bits, const float *d, const float *mn, const int8_t *xq, const float *dx,
+    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const float *bias, int64_t cols,
+    float *y, int64_t y_stride) {
+    const int64_t quad_bytes = PANEL * bits / 2;
+    for (int r = 0; r < rows; r++) {
+        float acc[PANEL] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            const int32_t sum = xsum[r * groups + g];
+            const float scale = dx[r * groups + g], xs = scale * (float)sum;
+            for (int j = 0; j < PANEL; j++) {
+                int32_t dot = 0;
+                for (int q = 0; q < QUADS; q++)
+                    for (int i = 0; i < 4; i++)
+                        dot += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, i)
+                               * xq[r * k_len + g * QGROUP + 4 * q + i];
+                acc[j] = fmaf(d[g * PANEL + j], scale * (float)dot, acc[j]);
+                if (mn) acc[j] = fmaf(mn[g * PANEL + j], xs, acc[j]);
+            }
+        }
+        for (int64_t j = 0; j < cols; j++) y[r * y_stride + j] = bias ? acc[j] + bias[j] : acc[j];
+    }
+}
+#endif
+
+int64_t quant_dot_simd(void) { return QUANT_DOT_SIMD; }
+
+/* y [M, N] = x [M, K] @ w (+ bias [N]), w quantized to `bits` (8 or 4) as above; mins and bias may
+   be NULL. K is a multiple of QGROUP. Panels are shared out among threads, rows four at a time.
+   Returns -1 when the quantized rows find no memory, else 0. */
+int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, const uint8_t *codes,
+                     const float *scales, const float *mins, int64_t n, const float *bias, float *y) {
+    const int64_t count = (n + PANEL - 1) / PANEL, groups = k_len / QGROUP;
+    const int64_t panel_bytes = k_len * PANEL * bits / 8;
+    int8_t *xq = malloc((size_t)(m * k_len));
+    float *dx = malloc((size_t)(m * groups) * sizeof(float));
+    int32_t *xsum = malloc((size_t)(m * groups) * sizeof(int32_t));
+    if (!xq || !dx || !xsum) {
+        free(xq), free(dx), free(xsum);
+        return -1;
+    }
+    quantize_rows(x, m, k_len, xq, dx, xsum);
+#pragma omp parallel for schedule(static) if (m * k_len * n * 2 >= PARALLEL_MIN_FLOPS && count > 1)
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *c = codes + p * panel_bytes;
+        const float *d = scales + p * groups * PANEL, *mn = mins ? mins + p * groups * PANEL : 0;
+        const float *b = bias ? bias + p * PANEL : 0;
+        const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        for (int64_t r = 0; r < m; r += 4) {
+            const int8_t *xr = xq + r * k_len;
+            const float *dr = dx + r * groups;
+            const int32_t *sr = xsum + r * groups;
+            float *yr = y + r * n + p * PANEL;
+            switch (m - r < 4 ? m - r : 4) { /* each case a copy with the row count fixed */
+                case 4: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 4, b, cols, yr, n); break;
+                case 3: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 3, b, cols, yr, n); break;
+                case 2: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 2, b, cols, yr, n); break;
+                default: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 1, b, cols, yr, n);
+            }
+        }
+    }
+    free(xq), free(dx), free(xsum);
+    return 0;
+}
+
+/* --- a whole pass through the decoder layers -----------------------------------------------------
+
+The same calls, in the same order, as one call per op from Python would make (so the same bits),
+without crossing into Python ~10 times a layer: at batch 1 on a small model those crossings cost
+as much as the arithmetic. */
+
+/* One projection as the layer table holds it: float panels (bits 32) or codes (8 or 4). */
+typedef struct {
+    int64_t bits;
+    const void *weights; /* float panels, or codes */
+    const float *scales, *mins, *bias; /* scales and mins for codes only; any may be NULL but scales */
+    int64_t n;                         /* output columns */
+} Projection;
+
+typedef struct {
+    const float *input_norm, *post_norm, *head_norm; /* head_norm NULL but for Qwen3 */
+    Projection qkv, o_proj, gate_up, down;
+} DecoderLayer;
+
+static int project(const float *x, int64_t m, int64_t k, const Projection *p, float *y) {
+    if (p->bits == 32) {
+        matmul(x, m, k, p->weights, p->n, p->bias, y);
+        return 0;
+    }
+    return matmul_quantized(x, m, k, p->bits, p->weights, p->scales, p->mins, p->n, p->bias, y);
+}
+
+/* Every layer of a pass over `tokens` new tokens, then the final norm: x [T, hidden] (the
+   embeddings; the residual stream, updated in place) -> h [T, hidden] = final_norm(x). Scratch:
+   qkv [T, (H + 2 Hkv) D], attn [T, H D], out [T, hidden], gate_up [T, 2 inter], act [T, inter].
+   Caches k_cache, v_cache [layers][rows][Hkv][D], layer_stride floats apart. Other arguments as
+   rope_store_kv and attend take them. Returns 0, or -1 when scratch memory ran out. */
+int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final_norm, float *x, float *h,
+                   float *qkv, float *attn, float *out, float *gate_up, float *act, int64_t tokens,
+                   int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps,
+                   float scale, const int64_t *positions, const float *cos, const float *sin,
+                   const int64_t *slots, const int64_t *token_seqs, const int64_t *kv_slots, int64_t max_len,
+                   float *k_cache, float *v_cache, int64_t layer_stride) {
+    const float *delta = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const DecoderLayer *l = layers + i;
+        float *kc = k_cache + i * layer_stride, *vc = v_cache + i * layer_stride;
+        add_rms_norm(x, delta, l->input_norm, h, tokens, hidden, eps);
+        if (project(h, tokens, hidden, &l->qkv, qkv)) return -1;
+        rope_store_kv(qkv, tokens, heads, kv_heads, dim, positions, cos, sin, l->head_norm, eps, slots, kc, vc);
+        if (attend(qkv, tokens, heads, kv_heads, dim, token_seqs, positions, kv_slots, max_len, kc, vc, scale,
+                   attn))
+            return -1;
+        if (project(attn, tokens, heads * dim, &l->o_proj, out)) return -1;
+        add_rms_norm(x, out, l->post_norm, h, tokens, hidden, eps);
+        if (project(h, tokens, hidden, &l->gate_up, gate_up)) return -1;
+        silu_mul(gate_up, act, tokens, inter);
+        if (project(act, tokens, inter, &l->down, out)) return -1;
+        delta = out;
+    }
+    add_rms_norm(x, delta, final_norm, h, tokens, hidden, eps);
+    return 0;
+}

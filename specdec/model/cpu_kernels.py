@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import cache_dir
+from specdec.model.quantized import GROUP
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,21 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "attend": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P], ctypes.c_int),
     "panel_width": ([], _I),
     "matmul": ([_P, _I, _I, _P, _I, _P, _P], None),
+    "quant_group": ([], _I),
+    "quant_dot_simd": ([], _I),
+    "matmul_quantized": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _P], ctypes.c_int),
+    "decoder_layers": ([_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P,
+                        _P, _I, _P, _P, _I], ctypes.c_int),
 }
+
+
+class _Projection(ctypes.Structure):  # cpu_kernels.c's Projection
+    _fields_ = [("bits", _I), ("weights", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("n", _I)]
+
+
+class _DecoderLayer(ctypes.Structure):  # cpu_kernels.c's DecoderLayer
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("head_norm", _P), ("qkv", _Projection),
+                ("o_proj", _Projection), ("gate_up", _Projection), ("down", _Projection)]
 
 
 class KernelArgumentError(ValueError):
@@ -73,25 +88,135 @@ class PanelWeight:
         self.in_features, self.out_features = k, n
 
 
+class QuantizedPanelWeight:
+    """A projection's weight [K, N] as codes (a model.quantized.QuantizedMatrix [N, K], the
+    checkpoint's layout) in cpu_kernels.c's order (there, "quantized projections"): codes
+    [ceil(N / P), K / 4, P * bits / 2] bytes, 8-bit codes stored + 128; scales and mins
+    [ceil(N / P), K / GROUP, P] float32 (zeros past N); its optional bias [N]."""
+
+    def __init__(self, matrix, bias: torch.Tensor | None, width: int):
+        n, k = matrix.shape
+        count = -(-n // width)
+
+        def panels(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [count, X, width], zeros past N
+            padded = torch.nn.functional.pad(t, (0, 0, 0, count * width - n))
+            return padded.view(count, width, t.shape[1]).transpose(1, 2).contiguous()
+
+        # [count, K / 4, width, 4]: each column's 4 consecutive codes side by side
+        quads = panels(matrix.codes.to(torch.int16)).view(count, k // 4, 4, width).transpose(2, 3)
+        if matrix.bits == 8:
+            codes = (quads + 128).to(torch.uint8)
+        else:  # columns 16 z .. 16 z + 15 as z = 0..3; z = 1 and 3 in the high nibbles
+            z = quads.to(torch.uint8).reshape(count, k // 4, 4, 16 * 4)
+            codes = torch.stack([z[:, :, 0] | (z[:, :, 1] << 4), z[:, :, 2] | (z[:, :, 3] << 4)], dim=2)
+        self.codes = codes.reshape(count, k // 4, -1).contiguous()
+        self.scales = panels(matrix.scales.float())
+        self.mins = None if matrix.mins is None else panels(matrix.mins.float())
+        self.bits = matrix.bits
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.in_features, self.out_features = k, n
+        self.width = width
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins, self.bias)
+                   if t is not None)
+
+    def columns(self, index: torch.Tensor) -> torch.Tensor:
+        """Columns index [T] of the weight as float32 rows [T, K] (for a matrix that is also the
+        embedding: embedding row t is the LM head's column t)."""
+        count, quads = self.codes.shape[:2]
+        panel, lane = index // self.width, index % self.width
+        if self.bits == 8:
+            codes = self.codes.view(count, quads, self.width, 4)[panel, :, lane].to(torch.int16) - 128
+        else:
+            z = lane // 16
+            packed = self.codes.view(count, quads, 2, 16, 4)[panel, :, z // 2, lane % 16]  # [T, K / 4, 4]
+            codes = torch.where((z % 2 == 1).view(-1, 1, 1), packed >> 4, packed & 15)
+        rows = codes.reshape(len(index), -1).float() * self.scales[panel, :, lane].repeat_interleave(GROUP, dim=1)
+        return rows if self.mins is None else rows + self.mins[panel, :, lane].repeat_interleave(GROUP, dim=1)
+
+
 class CpuKernels:
     """The C functions, each taking tensors (shapes in each docstring)."""
 
     def __init__(self, library: ctypes.CDLL):
         self._lib = library
         self.panel_width = int(library.panel_width())
+        assert int(library.quant_group()) == GROUP, "cpu_kernels.c's QGROUP differs from model.quantized.GROUP"
 
     def pack(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
         """weight [K, N] (bias [N]) -> the panels `matmul` reads."""
         return PanelWeight(weight_in_out, bias, self.panel_width)
 
-    def matmul(self, x: torch.Tensor, weight: PanelWeight, out: torch.Tensor) -> torch.Tensor:
+    def pack_quantized(self, matrix, bias: torch.Tensor | None = None) -> QuantizedPanelWeight:
+        """matrix: a QuantizedMatrix [N, K] (the checkpoint's [out, in]), bias [N] -> the panels
+        `matmul` reads for the product x @ matrix^T."""
+        return QuantizedPanelWeight(matrix, bias, self.panel_width)
+
+    def matmul(self, x: torch.Tensor, weight: PanelWeight | QuantizedPanelWeight, out: torch.Tensor) -> torch.Tensor:
         """out [M, N] = x [M, K] @ weight (+ its bias); returns out."""
         m, k = x.shape
         _expect(k == weight.in_features and tuple(out.shape) == (m, weight.out_features),
                 f"matmul: x {tuple(x.shape)} @ [{weight.in_features}, {weight.out_features}] -> out {tuple(out.shape)}")
         bias = None if weight.bias is None else weight.bias.data_ptr()
-        self._lib.matmul(_ptr(x), m, k, weight.panels.data_ptr(), weight.out_features, bias, _ptr(out))
+        if isinstance(weight, QuantizedPanelWeight):
+            mins = None if weight.mins is None else weight.mins.data_ptr()
+            if self._lib.matmul_quantized(_ptr(x), m, k, weight.bits, weight.codes.data_ptr(),
+                                          weight.scales.data_ptr(), mins, weight.out_features, bias, _ptr(out)):
+                raise MemoryError("matmul: no memory for the quantized input rows")
+        else:
+            self._lib.matmul(_ptr(x), m, k, weight.panels.data_ptr(), weight.out_features, bias, _ptr(out))
         return out
+
+    def layer_table(self, layers) -> ctypes.Array:
+        """The C table of model.weights.LayerWeights `layers` that `decoder_layers` reads (it holds
+        pointers: the weights must outlive it). Every tensor is checked here, once."""
+
+        def projection(p) -> _Projection:
+            panels = p.panels
+            bias = None if panels.bias is None else _ptr(panels.bias)
+            if isinstance(panels, QuantizedPanelWeight):
+                return _Projection(panels.bits, _ptr(panels.codes, torch.uint8), _ptr(panels.scales),
+                                   None if panels.mins is None else _ptr(panels.mins), bias, panels.out_features)
+            return _Projection(32, _ptr(panels.panels), None, None, bias, panels.out_features)
+
+        table = (_DecoderLayer * len(layers))()
+        for row, layer in zip(table, layers):
+            row.input_norm, row.post_norm = _ptr(layer.input_norm), _ptr(layer.post_norm)
+            row.head_norm = None if layer.qk_norm is None else _ptr(layer.qk_norm)
+            row.qkv, row.o_proj = projection(layer.qkv), projection(layer.o_proj)
+            row.gate_up, row.down = projection(layer.gate_up), projection(layer.down)
+        return table
+
+    def decoder_layers(self, table: ctypes.Array, final_norm: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
+                       scratch: dict[str, torch.Tensor], heads: int, kv_heads: int, eps: float, scale: float,
+                       positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                       token_seqs: torch.Tensor, kv_slots: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> None:
+        """Every layer of `table` over x [T, hidden] (the embeddings, updated in place), then
+        h [T, hidden] = final_norm [hidden](x). scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D],
+        out [T, hidden], gate_up [T, 2 I], act [T, I]; k_cache, v_cache [layers, blocks, block
+        size, Hkv, D]; the rest as rope_store_kv and attend take them."""
+        tokens, hidden = x.shape
+        dim, inter = k_cache.shape[-1], scratch["act"].shape[1]
+        shapes = {"qkv": (tokens, (heads + 2 * kv_heads) * dim), "attn": (tokens, heads * dim), "out": (tokens, hidden),
+                  "gate_up": (tokens, 2 * inter), "act": (tokens, inter)}
+        _expect(all(tuple(scratch[name].shape) == shape for name, shape in shapes.items())
+                and h.shape == x.shape and tuple(final_norm.shape) == (hidden,) and k_cache.dim() == 5
+                and k_cache.shape == v_cache.shape and k_cache.shape[0] == len(table)
+                and k_cache.shape[3:] == (kv_heads, dim) and cos.shape[1] == dim and sin.shape == cos.shape
+                and tuple(positions.shape) == (tokens,) and tuple(slots.shape) == (tokens,)
+                and tuple(token_seqs.shape) == (tokens,) and kv_slots.dim() == 2 and heads % kv_heads == 0,
+                f"decoder_layers: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, "
+                f"{ {name: tuple(t.shape) for name, t in scratch.items()} }")
+        status = self._lib.decoder_layers(
+            table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), *(_ptr(scratch[name]) for name in shapes), tokens,
+            hidden, heads, kv_heads, dim, inter, eps, scale, _ptr(positions, torch.int64), _ptr(cos), _ptr(sin),
+            _ptr(slots, torch.int64), _ptr(token_seqs, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
+            _ptr(k_cache), _ptr(v_cache), k_cache[0].numel())
+        if status != 0:
+            raise MemoryError("decoder_layers: no memory for the attention scores or the quantized rows")
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      eps: float) -> None:
@@ -152,10 +277,12 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def _build(compiler: str) -> Path:
-    """The compiled library for this source, compiler and CPU: from the cache, else built now."""
+def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library for this source, compiler and CPU: from the cache, else built now.
+    extra_flags: for tests (e.g. -mno-avx512vnni builds the portable integer products)."""
+    flags = [*FLAGS, *extra_flags]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     library = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if library.exists():
@@ -163,7 +290,7 @@ def _build(compiler: str) -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -176,11 +303,16 @@ def load_cpu_kernels() -> CpuKernels | None:
     """The kernels, or None where they cannot be built (after one warning)."""
     compiler = os.environ.get("CC", "cc")
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        return open_kernels(_build(compiler))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("specdec's CPU kernels are unavailable (%s); running torch's ops instead, which is "
                     "slower for small models and not batch-invariant", error)
         return None
+
+
+def open_kernels(path: Path) -> CpuKernels:
+    """A built library, its functions typed."""
+    library = ctypes.CDLL(str(path))
     for name, (argtypes, restype) in SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype

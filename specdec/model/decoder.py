@@ -24,9 +24,11 @@ from specdec.model.batch import ForwardBatch
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_kernels import load_cpu_kernels
 from specdec.model.kernel_forward import kernel_forward, kernel_forward_fits
+from specdec.model.quantized import CODE_BITS
 from specdec.model.rope import RotaryTable
 from specdec.model.source import resolve_model_source
 from specdec.model.weights import ModelWeights, build_weights
+from specdec.role_configs import WEIGHT_FORMATS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tests only: "1" lets bfloat16/float16 models run on the CPU (torch's ops), so that the half
@@ -73,12 +75,19 @@ class Model:
         self.rotary = RotaryTable(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                   config.rope_scaling, self.device, dtype)
         self.scale = config.head_dim ** -0.5
+        # the C kernels' table of the layers' weights (model.kernel_forward), built once
+        self.layer_table = kernels.layer_table(weights.layers) if kernels is not None else None
         self._q_size = config.num_attention_heads * config.head_dim
         self._kv_size = config.num_key_value_heads * config.head_dim
 
     @property
     def num_parameters(self) -> int:
         return self.weights.num_parameters
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any projection is held only as codes (model.quantized)."""
+        return any(p.weight is None for p in (self.weights.lm_head, *self.weights.layers[0].projections()))
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
@@ -91,8 +100,11 @@ class Model:
         [M, vocab] for batch.logits_indices."""
         if self.kernels is not None and kernel_forward_fits(batch, self.rotary.cos.shape[0]):
             return kernel_forward(self, batch, cache)
+        if self.quantized:  # only the kernels multiply by codes; this raises the lookup's clear error
+            self.rotary.lookup(batch.positions)
+            raise ValueError(f"positions beyond the model's {self.rotary.cos.shape[0]}")
         c = self.config
-        x = self.weights.embed.index_select(0, batch.input_ids)
+        x = self.weights.embed_rows(batch.input_ids)
         num_tokens = x.shape[0]
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         cos, sin = self.rotary.lookup(batch.positions)
@@ -120,19 +132,28 @@ class Model:
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32",
-               packed_weights: bool = True, cpu_kernels: bool = True) -> Model:
+               packed_weights: bool = True, cpu_kernels: bool = True, weights: str = "auto") -> Model:
     """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
-    `device` in `dtype`; a GGUF's quantized weights are dequantized to `dtype` as they load.
+    `device` in `dtype`.
     packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear).
     cpu_kernels: on CPU in float32 run every pass in specdec's C kernels (model.cpu_kernels) where
     they can be built. Half precision is for GPUs; CPU_HALF_PRECISION_ENV lets tests run it on the
-    CPU through torch's ops, as a GPU would."""
+    CPU through torch's ops, as a GPU would.
+    weights: fp, q8, q4 or auto (model.quantized): codes need the C kernels; auto keeps a GGUF's
+    quantization where they run, and dequantizes it to `dtype` elsewhere."""
     torch_dtype = resolve_dtype(dtype)
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and torch_dtype != torch.float32 and os.environ.get(CPU_HALF_PRECISION_ENV) != "1":
         raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unsupported weights {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
     kernels = load_cpu_kernels() if cpu_kernels and on_cpu and torch_dtype == torch.float32 else None
-    weights = build_weights(config, source.tensors(torch_dtype), device, torch_dtype, packed_weights, kernels)
-    return Model(config, weights, device, torch_dtype, kernels)
+    if kernels is None and weights in CODE_BITS:
+        raise ValueError(f"weights={weights} runs in specdec's C kernels, which this model cannot use (they need "
+                         "device cpu, dtype float32, cpu_kernels on and a C compiler); use weights fp or auto")
+    weight_format = weights if kernels is not None else "fp"
+    raw = source.tensors(torch_dtype, device, keep_quantized=weight_format != "fp")
+    built = build_weights(config, raw, device, torch_dtype, packed_weights, kernels, weight_format)
+    return Model(config, built, device, torch_dtype, kernels)

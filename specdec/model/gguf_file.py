@@ -16,7 +16,8 @@ Two things differ from a Hugging Face checkpoint beyond names:
 - Llama 3's rope scaling is stored as the per-frequency divisors it implies (a `rope_freqs`
   tensor), not as its settings; the config carries them as rope_scaling "frequency_factors".
 
-Dequantization is gguf.quants.dequantize's, to float32, then the compute dtype.
+Quantized tensors are either kept as codes (`keep_quantized`: specdec.model.quantized, exactly
+for Q8_0, Q4_0 and Q4_1) or dequantized by gguf.quants.dequantize to float32, then the compute dtype.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, Keys
 from gguf.quants import dequantize
+
+from specdec.model.quantized import FORMAT_OF_GGUF_TYPE, QuantizedMatrix, from_gguf_blocks, quantize
 
 # GGUF architecture -> Hugging Face model_type. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -177,23 +180,36 @@ class GGUFModelFile:
             raise ValueError(f"{self.path}: tensor {name} has type {tensor.tensor_type.name}, which the gguf "
                              f"package cannot dequantize") from e
 
-    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Every weight by Hugging Face name, dequantized and converted one at a time (so only one
-        float32 copy exists at once), q/k rows restored to Hugging Face's order."""
+    def _quantized(self, name: str) -> QuantizedMatrix | None:
+        """A quantized matrix as codes (module docstring), or None for a float or 1-D tensor."""
+        tensor = self._tensors[name]
+        kind = tensor.tensor_type.name
+        if kind in ("F32", "F16", "BF16", "F64") or len(tensor.shape) != 2:
+            return None
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+        return from_gguf_blocks(tensor.data, kind, shape) or quantize(torch.from_numpy(self._numpy(name)),
+                                                                      FORMAT_OF_GGUF_TYPE.get(kind, 8))
+
+    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedMatrix]:
+        """Every weight by Hugging Face name, converted one at a time (so only one float32 copy
+        exists at once), q/k rows restored to Hugging Face's order. keep_quantized: quantized
+        matrices as codes (on the CPU) instead of dequantized."""
         heads = int(self._required(Keys.Attention.HEAD_COUNT))
         kv_heads = int(self.value(Keys.Attention.HEAD_COUNT_KV) or heads)
         permuted = self.architecture in PERMUTED_QK
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor | QuantizedMatrix] = {}
         for name in self._tensors:
             if name == ROPE_FREQS:
                 continue
             hf_name = hf_tensor_name(name)
-            tensor = torch.from_numpy(self._numpy(name))
-            if permuted and ".attn_q." in name:
-                tensor = unpermute_rows(tensor, heads)
-            elif permuted and ".attn_k." in name:
-                tensor = unpermute_rows(tensor, kv_heads)
-            out[hf_name] = tensor.to(device=device, dtype=dtype)
+            matrix = self._quantized(name) if keep_quantized else None
+            tensor = matrix if matrix is not None else torch.from_numpy(self._numpy(name))
+            for marker, count in ((".attn_q.", heads), (".attn_k.", kv_heads)):
+                if permuted and marker in name:
+                    order = unpermute_rows(torch.arange(tensor.shape[0]), count)
+                    tensor = tensor.rows(order) if matrix is not None else tensor[order]
+            out[hf_name] = tensor if matrix is not None else tensor.to(device=device, dtype=dtype)
         return out
 
     @property

@@ -4,9 +4,10 @@ Same math as Model.forward's torch path, in a fixed order: each token's hidden s
 logits are computed by the same chain of operations whatever pass it is in (a prompt, a decode
 step, a verify pass, a batch with other sequences, any thread count), so a request's tokens never
 depend on how it was scheduled (README, "Same tokens wherever served"). Per layer: four products
-(C, over the weights' column panels) and four C calls for the small ops (norms with the residual
-add, rotary + head norms + KV writes, attention over the paged cache, SiLU * up). The residual
-stream x is updated in place: each norm call first adds the previous block's output to it.
+(over the weights' column panels, floats or codes) and four small ops (norms with the residual add,
+rotary + head norms + KV writes, attention over the paged cache, SiLU * up), all in one C call for
+the whole pass (cpu_kernels.c, decoder_layers), then the LM head. The residual stream x is
+updated in place: each norm first adds the previous block's output to it.
 """
 from __future__ import annotations
 
@@ -26,32 +27,17 @@ def kernel_forward_fits(batch: ForwardBatch, max_positions: int) -> bool:
 def kernel_forward(model, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
     """Model.forward for a float32 CPU model with kernels loaded; returns float32 logits [M, V]."""
     c, w, kernels = model.config, model.weights, model.kernels
-    tokens, eps = batch.num_tokens, c.rms_norm_eps
+    tokens = batch.num_tokens
     heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    x = w.embed.index_select(0, batch.input_ids)  # [T, hidden] the residual stream (a fresh copy)
+    x = w.embed_rows(batch.input_ids)  # [T, hidden] the residual stream (a fresh copy)
     h = torch.empty_like(x)  # [T, hidden] each norm's output
-    qkv = x.new_empty(tokens, (heads + 2 * kv_heads) * dim)
-    attn = x.new_empty(tokens, heads * dim)
-    out = torch.empty_like(x)  # [T, hidden] a block's output (attention's, then the MLP's)
-    gate_up = x.new_empty(tokens, 2 * c.intermediate_size)
-    act = x.new_empty(tokens, c.intermediate_size)  # silu(gate) * up
-    cos, sin = model.rotary.cos, model.rotary.sin
-    delta = None  # the last block's output, not yet added to x
-    for index, layer in enumerate(w.layers):
-        k_cache, v_cache = cache.k[index], cache.v[index]
-        kernels.add_rms_norm(x, delta, layer.input_norm, h, eps)
-        kernels.matmul(h, layer.qkv.panels, qkv)
-        kernels.rope_store_kv(qkv, heads, kv_heads, batch.positions, cos, sin, layer.qk_norm, eps, batch.slots,
-                              k_cache, v_cache)
-        kernels.attend(qkv, heads, kv_heads, batch.token_seqs, batch.positions, batch.kv_slots, k_cache, v_cache,
-                       model.scale, attn)
-        kernels.matmul(attn, layer.o_proj.panels, out)
-        kernels.add_rms_norm(x, out, layer.post_norm, h, eps)
-        kernels.matmul(h, layer.gate_up.panels, gate_up)
-        kernels.silu_mul(gate_up, act)
-        kernels.matmul(act, layer.down.panels, out)
-        delta = out
-    kernels.add_rms_norm(x, delta, w.final_norm, h, eps)
+    scratch = {"qkv": x.new_empty(tokens, (heads + 2 * kv_heads) * dim), "attn": x.new_empty(tokens, heads * dim),
+               "out": torch.empty_like(x),  # a block's output (attention's, then the MLP's)
+               "gate_up": x.new_empty(tokens, 2 * c.intermediate_size),
+               "act": x.new_empty(tokens, c.intermediate_size)}  # silu(gate) * up
+    kernels.decoder_layers(model.layer_table, w.final_norm, x, h, scratch, heads, kv_heads, c.rms_norm_eps,
+                           model.scale, batch.positions, model.rotary.cos, model.rotary.sin, batch.slots,
+                           batch.token_seqs, batch.kv_slots, cache.k, cache.v)
     if not batch.all_logits:
         h = h.index_select(0, batch.logits_indices)
     return kernels.matmul(h, w.lm_head.panels, h.new_empty(h.shape[0], c.vocab_size))

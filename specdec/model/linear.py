@@ -44,10 +44,11 @@ def _pack(weight_in_out: torch.Tensor) -> torch.Tensor | None:
 class Projection:
     """y = x @ weight (+ bias): weight [in, out] (contiguous), bias [out] or None, and on CPU an
     optional oneDNN-packed copy of the weight for the products it runs faster (module docstring).
-    `panels`: the same weight in the C kernels' layout (model.cpu_kernels.PanelWeight), which the
-    kernel pass multiplies by instead (model.kernel_forward); None elsewhere."""
+    `panels`: the same weight in the C kernels' layout (model.cpu_kernels.PanelWeight, or
+    QuantizedPanelWeight: then `weight` is None, the codes being the only copy), which the kernel
+    pass multiplies by instead (model.kernel_forward); None elsewhere."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False,
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, packed: bool = False,
                  panels=None):
         self.weight = weight  # [in, out]
         self.bias = bias
@@ -59,11 +60,11 @@ class Projection:
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[0]
+        return self.weight.shape[0] if self.weight is not None else self.panels.in_features
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[1]
+        return self.weight.shape[1] if self.weight is not None else self.panels.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]."""

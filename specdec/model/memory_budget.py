@@ -57,7 +57,7 @@ def bytes_per_block(model: Model, block_size: int) -> int:
     """Memory of one KV-cache block: keys and values of `block_size` tokens in every layer."""
     c = model.config
     return (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
-            * model.weights.embed.element_size())
+            * model.dtype.itemsize)
 
 
 def pass_peak(model: Model, memory: DeviceMemory, block_size: int, context: int, tokens: int) -> int:
@@ -90,7 +90,7 @@ def accelerator_num_blocks(model: Model, memory: DeviceMemory, block_size: int, 
     """KV-cache blocks that fit this worker's share of the device after its weights and measured
     headroom (`headroom`: measured already by the caller), never more than is free now. `where`
     names the setting in the error."""
-    weight_bytes = model.num_parameters * model.weights.embed.element_size()
+    weight_bytes = model.num_parameters * model.dtype.itemsize
     if headroom is None:
         headroom = activation_headroom(model, memory, block_size, chunk_tokens)
     free, total = memory.free_and_total()

@@ -24,7 +24,7 @@ class ModelRunner:
     def __init__(self, model: Model, config: WorkerConfig, memory: DeviceMemory | None = None):
         """`memory`: what sizes the cache on an accelerator (torch.cuda's counters by default)."""
         self.model = model
-        device = model.weights.embed.device
+        device = model.device
         num_blocks = config.kv_cache_blocks
         if num_blocks is None and device.type == "cuda":
             num_blocks = accelerator_num_blocks(model, memory or CudaMemory(device), config.kv_block_size,
@@ -43,7 +43,7 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         return ModelRunner(load_model(spec, config.device, config.resolved_dtype, config.packed_weights,
-                                      config.cpu_kernels), config)
+                                      config.cpu_kernels, config.weights), config)
 
     @property
     def vocab_size(self) -> int:

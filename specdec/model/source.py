@@ -57,8 +57,10 @@ class ModelSource(ABC):
     def _read_config(self) -> dict: ...
 
     @abstractmethod
-    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Every weight by its Hugging Face name ([out, in] matrices), as `dtype` on `device`."""
+    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+        """Every weight by its Hugging Face name ([out, in] matrices), as `dtype` on `device`;
+        keep_quantized: a quantized matrix as its codes (model.quantized.QuantizedMatrix)."""
 
     @abstractmethod
     def tokenizer(self):
@@ -90,8 +92,9 @@ class CheckpointDirectory(ModelSource):
     def _read_config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())
 
-    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = {}
+    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}  # safetensors checkpoints hold floats
         for file in sorted(self.path.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
@@ -141,8 +144,9 @@ class GGUFFile(ModelSource):
     def _read_config(self) -> dict:
         return self._file.config()
 
-    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        return self._file.tensors(dtype, device)
+    def tensors(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                keep_quantized: bool = False) -> dict[str, torch.Tensor]:
+        return self._file.tensors(dtype, device, keep_quantized)
 
     def tokenizer(self):
         return self._file.tokenizer()

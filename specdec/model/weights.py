@@ -9,6 +9,9 @@ contiguous copy, since the one-row product against the view runs up to twice as 
 With `packed` (CPU only) every projection, the LM head included, also keeps a oneDNN-packed copy
 for products of several rows (specdec.model.linear). With `kernels` (specdec's C kernels, a float32
 CPU model) every projection keeps the C kernels' panels instead, which every pass then uses.
+With a quantized weight format (q8, q4, or auto with a quantized GGUF: model.quantized) the
+projections and the embedding are held only as codes in the C kernels' panels; a tied embedding
+reads its rows from the LM head's.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Projection, onednn_available
+from specdec.model.quantized import CODE_BITS, GROUP, QuantizedMatrix, as_bits, quantize, stack_rows
 
 
 @dataclass
@@ -30,48 +34,95 @@ class LayerWeights:
     gate_up: Projection  # hidden -> 2 * intermediate
     down: Projection  # intermediate -> hidden
 
+    def projections(self) -> tuple[Projection, ...]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
+
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | object  # [vocab, hidden], or quantized: a QuantizedPanelWeight [hidden, vocab]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Projection  # hidden -> vocab; tied on GPU: its weight is a view of embed
     tied: bool  # the LM head is the embedding
     num_parameters: int  # of the checkpoint (a tied head and the stacked q/k norms counted once)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every tensor once (a tied embedding shares its LM head's storage)."""
+        seen: dict[int, int] = {}
 
-def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: torch.device | str,
-                  dtype: torch.dtype, packed: bool = True, kernels=None) -> ModelWeights:
-    """raw: tensors by Hugging Face name (with or without the `model.` prefix), [out, in] matrices.
-    packed: also keep oneDNN-packed copies for multi-row products where oneDNN can (CPU, float32).
-    kernels: model.cpu_kernels.CpuKernels; every projection then keeps its panels (and no
-    oneDNN copy: the kernel pass never uses one)."""
+        def add(*tensors) -> None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                elif isinstance(t, torch.Tensor):  # oneDNN's packed layout has no plain storage
+                    seen[id(t)] = t.numel() * t.element_size()
+                elif t is not None:  # panels
+                    add(*(getattr(t, name, None) for name in ("panels", "codes", "scales", "mins", "bias")))
+
+        for projection in (self.lm_head, *(p for layer in self.layers for p in layer.projections())):
+            add(projection.weight, projection.bias, projection.packed, projection.panels)
+        for layer in self.layers:
+            add(layer.input_norm, layer.post_norm, layer.qk_norm)
+        add(self.embed, self.final_norm)
+        return sum(seen.values())
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token_ids [T]: [T, hidden] (a fresh tensor)."""
+        if isinstance(self.embed, torch.Tensor):
+            return self.embed.index_select(0, token_ids)
+        return self.embed.columns(token_ids)
+
+
+def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor | QuantizedMatrix], device: torch.device | str,
+                  dtype: torch.dtype, packed: bool = True, kernels=None, weight_format: str = "fp") -> ModelWeights:
+    """raw: tensors by Hugging Face name (with or without the `model.` prefix), [out, in] matrices,
+    quantized ones as QuantizedMatrix. packed: also keep oneDNN-packed copies for multi-row
+    products where oneDNN can (CPU, float32). kernels: model.cpu_kernels.CpuKernels; every
+    projection then keeps its panels (and no oneDNN copy: the kernel pass never uses one).
+    weight_format: fp, q8, q4 or auto (model.quantized); any but fp needs kernels."""
     counted = 0
     packed = packed and kernels is None and onednn_available(torch.device(device), dtype)
 
-    def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
-        panels = kernels.pack(weight, bias) if kernels is not None else None
-        return Projection(weight, bias, packed, panels)
-
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, matrix: bool = False) -> torch.Tensor | QuantizedMatrix:
+        """A tensor as `dtype` on `device`; a matrix may stay quantized."""
         nonlocal counted
         for key in (name, f"model.{name}"):
             if key in raw:
                 counted += raw[key].numel()
-                return raw[key].to(device=device, dtype=dtype)
+                value = raw[key]
+                if isinstance(value, QuantizedMatrix):
+                    return value if matrix else value.dequantize().to(device=device, dtype=dtype)
+                return value.to(device=device, dtype=dtype)
         raise KeyError(f"checkpoint is missing tensor {name!r}")
 
-    def in_out(*names: str) -> torch.Tensor:
-        """The checkpoint's [out, in] matrices, stacked on out and stored [in, out]."""
-        return torch.cat([take(n) for n in names]).t().contiguous()
+    def quantized_form(parts: list[torch.Tensor | QuantizedMatrix]) -> QuantizedMatrix | None:
+        """The parts stacked as codes in the weight format, or None where they stay floats."""
+        bits = CODE_BITS.get(weight_format)
+        if weight_format == "fp" or any(p.shape[1] % GROUP for p in parts):
+            return None  # (an input size no group divides keeps floats: no GGUF file has one)
+        if weight_format == "auto":
+            if all(isinstance(p, torch.Tensor) for p in parts):
+                return None
+            return stack_rows([p if isinstance(p, QuantizedMatrix) else quantize(p, 8) for p in parts])
+        return stack_rows([as_bits(p, bits) if isinstance(p, QuantizedMatrix) else quantize(p, bits)
+                           for p in parts])
+
+    def product(parts: list[torch.Tensor | QuantizedMatrix], bias: torch.Tensor | None) -> Projection:
+        """The checkpoint's [out, in] matrices `parts`, stacked on out (one product for all)."""
+        codes = quantized_form(parts)
+        if codes is not None:
+            return Projection(None, bias, panels=kernels.pack_quantized(codes, bias))
+        weight = torch.cat([p.dequantize().to(device=device, dtype=dtype) if isinstance(p, QuantizedMatrix) else p
+                            for p in parts]).t().contiguous()
+        return Projection(weight, bias, packed, kernels.pack(weight, bias) if kernels is not None else None)
 
     def biases(*names: str) -> torch.Tensor:
         return torch.cat([take(n) for n in names])
 
     def projection(weights: list[str], bias_names: list[str] | None) -> Projection:
-        """The checkpoint's [out, in] matrices `weights`, stacked on out (one product for all)."""
-        return product(in_out(*weights), biases(*bias_names) if bias_names else None)
+        return product([take(n, matrix=True) for n in weights], biases(*bias_names) if bias_names else None)
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     layers = []
@@ -94,12 +145,19 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor], device: tor
                                [f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"] if config.mlp_bias else None),
             down=projection([f"{mlp}.down_proj.weight"], [f"{mlp}.down_proj.bias"] if config.mlp_bias else None),
         ))
-    embed = take("embed_tokens.weight")
+    embed = take("embed_tokens.weight", matrix=True)
     tied = config.tie_word_embeddings or not any(k in raw for k in ("lm_head.weight", "model.lm_head.weight"))
-    if tied:
-        lm_head = product(embed.t().contiguous() if torch.device(device).type == "cpu" else embed.t(), None)
+    embed_codes = quantized_form([embed])
+    if embed_codes is not None:  # rows read from the panels (ModelWeights.embed_rows)
+        lm_head = projection(["lm_head.weight"], None) if not tied else product([embed_codes], None)
+        embed = lm_head.panels if tied else kernels.pack_quantized(embed_codes)
     else:
-        lm_head = projection(["lm_head.weight"], None)
+        if isinstance(embed, QuantizedMatrix):
+            embed = embed.dequantize().to(device=device, dtype=dtype)
+        if not tied:
+            lm_head = projection(["lm_head.weight"], None)
+        else:
+            lm_head = product([embed], None) if torch.device(device).type == "cpu" else Projection(embed.t())
     final_norm = take("norm.weight")
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head, tied=tied,
                         num_parameters=counted)

@@ -57,7 +57,7 @@ def _prompt_sets(text: str) -> list[str]:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings(parser, ["target"])
+    add_settings(parser, ["target", "target_weights", "draft_weights"])
     parser.add_argument("--draft", default=str(SHIPPED_DRAFT),
                         help="draft model of the spec-draft system: checkpoint directory, .gguf file or Hub id "
                              f"(default: {format_default(str(SHIPPED_DRAFT))})")

@@ -58,7 +58,8 @@ def run(args) -> int:
     cost_steps = args.cost_steps or (5 if quick else 30)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 2)
     try:
-        config = ServiceConfig.from_settings(**given_settings(args, ["target", "num_speculative_tokens"]))
+        config = ServiceConfig.from_settings(**given_settings(args, ["target", "num_speculative_tokens",
+                                                                     "target_weights", "draft_weights"]))
     except ConfigError as e:
         print(f"specdec bench: {e}", file=sys.stderr)
         return 2
@@ -135,7 +136,7 @@ def run(args) -> int:
         spec = SYSTEMS[key]
         if key in SPECDEC_SYSTEMS:
             built[key] = EngineSystem(key, target, drafter_paths[spec.drafter], k, kv_blocks, max(batch_sizes),
-                                      adaptive=spec.adaptive)
+                                      adaptive=spec.adaptive, weights=(config.target.weights, config.draft.weights))
         else:
             hf_target = hf_target if hf_target is not None else load_hf(target)
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)
@@ -145,6 +146,7 @@ def run(args) -> int:
     if needs_draft:
         params["draft"] = load_model(draft).num_parameters
     env = environment(args, params, load_at_start)
+    env["weights"] = {"target": config.target.weights, "draft": config.draft.weights}
 
     # -- cost ratio c, per prompt set (context lengths differ) ---------------------------------
     costs_by_set = None
@@ -153,7 +155,8 @@ def run(args) -> int:
         has_draft = draft != NGRAM and model_problem(draft) is None
         costs_by_set = measure_step_costs(target, draft if has_draft else None,
                                           {name: ids for name, (ids, _) in prompt_sets.items()}, batch_sizes, k,
-                                          cost_steps, kv_cache_blocks=kv_blocks)
+                                          cost_steps, kv_cache_blocks=kv_blocks,
+                                          weights=(config.target.weights, config.draft.weights))
 
     # -- main grid -----------------------------------------------------------------------------------
     # Prompt set outermost: the adaptive policy's running acceptance estimate then moves from one
@@ -193,7 +196,8 @@ def run(args) -> int:
         base = [r for r in results
                 if r.system == "engine" and r.batch == 1 and r.mode == greedy.name and r.prompt_set == first_set]
         if not base:
-            plain = built.get("engine") or EngineSystem("engine", target, None, k, kv_blocks, max(batch_sizes))
+            plain = built.get("engine") or EngineSystem("engine", target, None, k, kv_blocks, max(batch_sizes),
+                                                        weights=(config.target.weights, config.draft.weights))
             plain.warm_up(prompts, 1, greedy, args.seed)
             base = [plain.run(prompts, 1, greedy, max_new, args.seed, prompt_set=first_set)]
         sweep_baseline = base

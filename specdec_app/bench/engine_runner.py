@@ -65,14 +65,16 @@ class EngineSystem:
     """
 
     def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
-                 max_batch_size: int, adaptive: bool = True, cpu_kernels: bool = True):
+                 max_batch_size: int, adaptive: bool = True, cpu_kernels: bool = True,
+                 weights: tuple[str, str] = ("auto", "auto")):
+        """weights: the target's and the draft's weight formats (specdec.model.quantized)."""
         self.key = key
         self.label = SYSTEMS[key].label
         self.k = k if draft is not None else None
         self.adaptive = adaptive if draft is not None else None
         self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
                                   adaptive=adaptive, kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size,
-                                  cpu_kernels=cpu_kernels)
+                                  cpu_kernels=cpu_kernels, target_weights=weights[0], draft_weights=weights[1])
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
             k: int | None = None, bar=None, prompt_set: str = "") -> RunResult:

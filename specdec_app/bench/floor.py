@@ -21,16 +21,21 @@ MATVEC_SHAPE = (576, 49152)  # [in, out] of the bandwidth probe
 
 
 def decode_weight_bytes(model: Model) -> int:
-    """Bytes of weights one decode step reads: every projection, the LM head and the norms (the
-    embedding contributes one row per token: nothing next to the rest)."""
+    """Bytes of weights one decode step reads: every projection (as held: floats, or codes with
+    their scales), the LM head and the norms (the embedding contributes one row per token: nothing
+    next to the rest)."""
     w = model.weights
-    tensors = [w.lm_head.weight, w.final_norm]
-    for layer in w.layers:
-        tensors += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight,
-                    layer.input_norm, layer.post_norm]
-        tensors += [t for t in (layer.qkv.bias, layer.o_proj.bias, layer.gate_up.bias, layer.down.bias,
-                                layer.qk_norm) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+
+    def held(projection) -> int:
+        if projection.weight is None:
+            return projection.panels.nbytes
+        bias = 0 if projection.bias is None else projection.bias.numel() * projection.bias.element_size()
+        return projection.weight.numel() * projection.weight.element_size() + bias
+
+    norms = [w.final_norm] + [t for layer in w.layers for t in (layer.input_norm, layer.post_norm, layer.qk_norm)
+                              if t is not None]
+    return (held(w.lm_head) + sum(held(p) for layer in w.layers for p in layer.projections())
+            + sum(t.numel() * t.element_size() for t in norms))
 
 
 class MatvecProbe:

@@ -38,17 +38,18 @@ def _time_steps(runner, contexts: list[list[int]], steps: int, tokens_per_step: 
 
 
 def measure_step_costs(target: str, draft: str | None, contexts_by_set: dict[str, list[list[int]]],
-                       batch_sizes: Sequence[int], k: int, steps: int = 30, kv_cache_blocks: int = 256) -> dict:
+                       batch_sizes: Sequence[int], k: int, steps: int = 30, kv_cache_blocks: int = 256,
+                       weights: tuple[str, str] = ("auto", "auto")) -> dict:
     """Per-step seconds of the target and the draft in specdec's runtime, and c = draft / target,
     for each prompt set: {set name: {"steps_timed": ..., "by_batch": {"1": {...}, ...}}}.
 
     One decode step = one new token per sequence at the benchmark's context lengths (the set's
     prompts). Also the cost of a (K+1)-token verify pass relative to a 1-token step, which the
-    formula assumes to be 1.
+    formula assumes to be 1. weights: the target's and the draft's weight formats.
     """
-    config = WorkerConfig(kv_cache_blocks=kv_cache_blocks)
-    target_runner = ModelRunner.load(config, target)
-    draft_runner = ModelRunner.load(config, draft) if draft else None
+    target_runner = ModelRunner.load(WorkerConfig(kv_cache_blocks=kv_cache_blocks, weights=weights[0]), target)
+    draft_config = WorkerConfig(kv_cache_blocks=kv_cache_blocks, weights=weights[1])
+    draft_runner = ModelRunner.load(draft_config, draft) if draft else None
     by_set: dict = {}
     for name, contexts in contexts_by_set.items():
         out: dict = {"steps_timed": steps, "by_batch": {}}

@@ -1,0 +1,49 @@
+"""`specdec bench-quant` and `specdec bench-peer` run end to end on small models and say what they
+measured (llama.cpp's rows only where llama-cpp-python is installed, which CI does not do)."""
+import json
+
+import pytest
+
+from specdec.model.cpu_kernels import load_cpu_kernels
+from specdec_app import cli
+from specdec_app.bench import peer_command
+
+from checkpoints import build_checkpoint
+
+needs_kernels = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler on this machine")
+
+
+@needs_kernels
+def test_bench_quant_reports_agreement_with_the_floats(tmp_path, capsys):
+    target = build_checkpoint(tmp_path / "target", seed=2, vocab_size=320, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": ids}) for ids in ([3, 17, 42, 7], [8, 9, 10, 11, 12])))
+    out = tmp_path / "quant.json"
+    assert cli.main(["bench-quant", "--target", str(target), "--prompts", str(prompts), "--num-prompts", "2",
+                     "--max-new-tokens", "6", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"q8", "q4"}
+    for row in rows.values():
+        assert 0 <= row["greedy_match"] <= 1 and row["mean_kl"] >= 0 and row["positions"] == 12
+    assert rows["q4"]["weight_bytes"] < rows["q8"]["weight_bytes"]
+    assert "top-1 match" in capsys.readouterr().out
+
+
+@needs_kernels
+def test_bench_peer_measures_specdec_without_llama_cpp(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(peer_command, "llama_cpp_version", lambda: None)
+    out = tmp_path / "peer.json"
+    assert cli.main(["bench-peer", "--quick", "--types", "Q8_0", "--cache-dir", str(tmp_path),
+                     "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["Q8_0"]
+    assert {"specdec b1", "specdec b8", "specdec n-gram", "specdec plain"} == set(row["rates"])
+    assert row["ngram_same_as_plain"] and row["llama_cpp"] is None
+    printed = capsys.readouterr().out
+    assert "not installed (pip install llama-cpp-python)" in printed and "weights held" in printed
+    assert (tmp_path / "tiny-copy-v1-seed0-Q8_0.gguf").exists()  # built once, then reused
+
+
+def test_bench_peer_refuses_bad_counts(capsys):
+    assert cli.main(["bench-peer", "--runs", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err

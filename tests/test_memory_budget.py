@@ -19,16 +19,12 @@ CHUNK = 32
 
 class Recorded:
     """The real model, recording the (new tokens, context) of each pass it runs; `on_cuda`: it
-    reports its weights on cuda:0, so the runner sizes its cache from device memory."""
+    reports itself on cuda:0, so the runner sizes its cache from device memory."""
 
     def __init__(self, model, on_cuda: bool = True):
         self._model = model
         self.passes: list[tuple[int, int]] = []
-        self.weights = model.weights
-        if on_cuda:
-            embed = type("Embed", (), {"device": torch.device("cuda", 0),
-                                       "element_size": staticmethod(model.weights.embed.element_size)})()
-            self.weights = type("Weights", (), {"embed": embed})()
+        self.device = torch.device("cuda", 0) if on_cuda else model.device
 
     def __getattr__(self, name):
         return getattr(self._model, name)

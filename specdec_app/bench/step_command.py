@@ -121,7 +121,8 @@ def run(args) -> int:
     probe = MatvecProbe()
     step = {b: time_decode_steps(runner, prompt, b, steps, probe) for b in (1, 8)}
     kernels, torch_step = runner.model.kernels, None
-    if kernels is not None:  # the same weights and cache through torch's ops, for comparison
+    # The same weights and cache through torch's ops, for comparison (codes have no torch path).
+    if kernels is not None and not runner.model.quantized:
         runner.model.kernels = None
         torch_step = time_decode_steps(runner, prompt, 1, steps, probe)
         runner.model.kernels = kernels
@@ -165,6 +166,8 @@ def run(args) -> int:
         relative = s1.over_floor / torch_step.over_floor  # of ratios: the two are timed one after the other
         print(f"  batch 1 through torch's ops instead of the C kernels: {torch_step.step_s * 1e3:.1f} ms = "
               f"{torch_step.over_floor:.2f}x floor (the C kernels' ratio to the floor is {relative:.2f}x this one)")
+    elif kernels is not None:
+        print("  (weights held as codes: no torch path to compare with)")
     else:
         print(f"  C kernels: {'off (--no-cpu-kernels)' if not args.cpu_kernels else 'unavailable (see the warning)'}")
     print(f"plain generate, {max_new} new tokens, median of {runs} (ms/token):")

@@ -1,8 +1,7 @@
-"""GGUF files written from Hugging Face checkpoints the way llama.cpp's convert_hf_to_gguf.py writes
-them, for tests: tensor names from the gguf package's own name map, q/k rows permuted for Llama
-(`LlamaModel.permute`), Llama 3 rope scaling as a `rope_freqs` tensor, norms and biases in F32 and
-every matrix in a chosen tensor type (F32 where its rows do not fit that type's blocks, as
-llama.cpp falls back).
+"""GGUF files for tests, written by specdec_app.bench.gguf_export (the layout llama.cpp's
+convert_hf_to_gguf.py writes: names from the gguf package's map, q/k rows permuted for Llama,
+Llama 3 rope scaling as a `rope_freqs` tensor, norms and biases in F32) with every matrix in a
+chosen tensor type (F32 where its rows do not fit that type's blocks, as llama.cpp falls back).
 
 Each file comes with its *reference*: a Hugging Face checkpoint holding exactly the weights the
 GGUF holds once dequantized, so transformers on the reference is the ground truth for the runtime

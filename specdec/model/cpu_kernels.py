@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import cache_dir
+from specdec.model.panels import PanelWeight, QuantizedPanelWeight
 from specdec.model.quantized import GROUP
 
 log = logging.getLogger(__name__)
@@ -73,68 +74,6 @@ def _ptr(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
 def _expect(condition: bool, what: str) -> None:
     if not condition:
         raise KernelArgumentError(what)
-
-
-class PanelWeight:
-    """A projection's weight [K, N] in the C kernels' column panels ([ceil(N / P)][K][P], P =
-    panel width, zeros past N) with its optional bias [N]."""
-
-    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, width: int):
-        k, n = weight_in_out.shape
-        count = -(-n // width)
-        padded = torch.nn.functional.pad(weight_in_out.float(), (0, count * width - n))
-        self.panels = padded.view(k, count, width).transpose(0, 1).contiguous()  # [count, K, width]
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.in_features, self.out_features = k, n
-
-
-class QuantizedPanelWeight:
-    """A projection's weight [K, N] as codes (a model.quantized.QuantizedMatrix [N, K], the
-    checkpoint's layout) in cpu_kernels.c's order (there, "quantized projections"): codes
-    [ceil(N / P), K / 4, P * bits / 2] bytes, 8-bit codes stored + 128; scales and mins
-    [ceil(N / P), K / GROUP, P] float32 (zeros past N); its optional bias [N]."""
-
-    def __init__(self, matrix, bias: torch.Tensor | None, width: int):
-        n, k = matrix.shape
-        count = -(-n // width)
-
-        def panels(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [count, X, width], zeros past N
-            padded = torch.nn.functional.pad(t, (0, 0, 0, count * width - n))
-            return padded.view(count, width, t.shape[1]).transpose(1, 2).contiguous()
-
-        # [count, K / 4, width, 4]: each column's 4 consecutive codes side by side
-        quads = panels(matrix.codes.to(torch.int16)).view(count, k // 4, 4, width).transpose(2, 3)
-        if matrix.bits == 8:
-            codes = (quads + 128).to(torch.uint8)
-        else:  # columns 16 z .. 16 z + 15 as z = 0..3; z = 1 and 3 in the high nibbles
-            z = quads.to(torch.uint8).reshape(count, k // 4, 4, 16 * 4)
-            codes = torch.stack([z[:, :, 0] | (z[:, :, 1] << 4), z[:, :, 2] | (z[:, :, 3] << 4)], dim=2)
-        self.codes = codes.reshape(count, k // 4, -1).contiguous()
-        self.scales = panels(matrix.scales.float())
-        self.mins = None if matrix.mins is None else panels(matrix.mins.float())
-        self.bits = matrix.bits
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.in_features, self.out_features = k, n
-        self.width = width
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins, self.bias)
-                   if t is not None)
-
-    def columns(self, index: torch.Tensor) -> torch.Tensor:
-        """Columns index [T] of the weight as float32 rows [T, K] (for a matrix that is also the
-        embedding: embedding row t is the LM head's column t)."""
-        count, quads = self.codes.shape[:2]
-        panel, lane = index // self.width, index % self.width
-        if self.bits == 8:
-            codes = self.codes.view(count, quads, self.width, 4)[panel, :, lane].to(torch.int16) - 128
-        else:
-            z = lane // 16
-            packed = self.codes.view(count, quads, 2, 16, 4)[panel, :, z // 2, lane % 16]  # [T, K / 4, 4]
-            codes = torch.where((z % 2 == 1).view(-1, 1, 1), packed >> 4, packed & 15)
-        rows = codes.reshape(len(index), -1).float() * self.scales[panel, :, lane].repeat_interleave(GROUP, dim=1)
-        return rows if self.mins is None else rows + self.mins[panel, :, lane].repeat_interleave(GROUP, dim=1)
 
 
 class CpuKernels:

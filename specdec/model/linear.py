@@ -44,7 +44,7 @@ def _pack(weight_in_out: torch.Tensor) -> torch.Tensor | None:
 class Projection:
     """y = x @ weight (+ bias): weight [in, out] (contiguous), bias [out] or None, and on CPU an
     optional oneDNN-packed copy of the weight for the products it runs faster (module docstring).
-    `panels`: the same weight in the C kernels' layout (model.cpu_kernels.PanelWeight, or
+    `panels`: the same weight in the C kernels' layout (model.panels.PanelWeight, or
     QuantizedPanelWeight: then `weight` is None, the codes being the only copy), which the kernel
     pass multiplies by instead (model.kernel_forward); None elsewhere."""
 

@@ -5,7 +5,7 @@ A *model spec* is the string given as `--target` / `--draft`, `LocalEngine(targe
 
 - a Hugging Face checkpoint directory: `config.json`, `*.safetensors`, tokenizer files optional;
 - a `.gguf` file (llama.cpp's format): hyper-parameters, tokenizer and weights in one file, the
-  weights possibly quantized (dequantized to the compute dtype as they load: specdec.model.gguf_file);
+  weights possibly quantized (kept as codes or dequantized as they load: specdec.model.gguf_file);
 - a Hugging Face Hub id, `owner/name` or `owner/name@revision`, looked up in the local Hub cache
   ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub) and never downloaded: its
   snapshot is a checkpoint directory (or holds a single .gguf file).

@@ -31,11 +31,13 @@ from specdec_app.bench.shapes import COPY_ANSWER, SHAPE_VERSION, SHAPES, build_c
 from specdec_app.bench.step_command import DEFAULT_CACHE
 
 LOOKUP_TOKENS = (2, 10)  # llama.cpp prompt-lookup lengths tried; the faster counts
+WRITABLE_TYPES = ("F32", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")  # gguf.quants can write these
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
-    parser.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0"], help="GGUF tensor types (default Q4_1 Q8_0)")
+    parser.add_argument("--types", nargs="+", default=["Q4_1", "Q8_0"], choices=WRITABLE_TYPES,
+                        help="GGUF tensor types, which the gguf package can write (default Q4_1 Q8_0)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="model shape")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per system, median reported (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per plain run (default 64)")

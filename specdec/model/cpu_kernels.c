@@ -300,9 +300,22 @@ Layout, panels of PANEL columns as the float weights: codes [ceil(N / PANEL)][K 
 bits / 8] bytes, each block of 4 consecutive k ("a quad") holding column j's 4 codes side by side
 (byte 4 j + i: k = 4 quad + i). 4-bit quads are 128 bytes: bytes 0-63 hold columns 0-15 in their low
 nibbles and 16-31 in their high ones, bytes 64-127 columns 32-47 and 48-63 likewise. Scales and
-minimums are floats [ceil(N / PANEL)][K / QGROUP][PANEL]. */
+minimums are float16 (as GGUF stores them), [ceil(N / PANEL)][K / QGROUP][PANEL]. */
 
 #define QGROUP 32
+
+/* A float16 (IEEE binary16) as float, exactly: what the CPU's conversion instruction gives. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) { /* zero or subnormal: mantissa x 2^-24 */
+        const float value = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -value : value;
+    }
+    uint32_t bits = sign | ((exponent == 31 ? 255u : exponent + 112u) << 23) | (mantissa << 13);
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 #define QUADS (QGROUP / 4)
 
 int64_t quant_group(void) { return QGROUP; }
@@ -344,7 +357,7 @@ static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, 
 /* Half a panel (32 columns) at a time, so that every row's int32 sums and float accumulators stay
    in registers across the groups (4 rows: 16 of the 32 vector registers). */
 static inline __attribute__((always_inline)) void panel_rows_quantized(
-    const uint8_t *codes, int64_t bits, const float *d, const float *mn, const int8_t *xq, const float *dx,
+    const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
     const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const float *bias, int64_t cols,
     float *y, int64_t y_stride) {
     const __m512i low = _mm512_set1_epi8(15);
@@ -372,8 +385,9 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
                     dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xv);
                 }
             }
-            const float *dg = d + g * PANEL + 32 * half;
-            const __m512 d0 = _mm512_loadu_ps(dg), d1 = _mm512_loadu_ps(dg + 16);
+            const uint16_t *dg = d + g * PANEL + 32 * half;
+            const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dg));
+            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + 16)));
             for (int r = 0; r < rows; r++) {
                 const int32_t sum = xsum[r * groups + g];
                 const float scale = dx[r * groups + g];
@@ -386,9 +400,11 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
                 acc[r][1] = _mm512_fmadd_ps(d1, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(dot[r][1])), acc[r][1]);
                 if (mn) {
                     const __m512 xs = _mm512_set1_ps(scale * (float)sum);
-                    const float *mg = mn + g * PANEL + 32 * half;
-                    acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(mg), xs, acc[r][0]);
-                    acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(mg + 16), xs, acc[r][1]);
+                    const uint16_t *mg = mn + g * PANEL + 32 * half;
+                    const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mg));
+                    const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + 16)));
+                    acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
                 }
             }
         }
@@ -403,7 +419,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
 #else
 #define QUANT_DOT_SIMD 0
 static inline void panel_rows_quantized(
-    const uint8_t *codes, int64_t bits, const float *d, const float *mn, const int8_t *xq, const float *dx,
+    const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
     const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const float *bias, int64_t cols,
     float *y, int64_t y_stride) {
     const int64_t quad_bytes = PANEL * bits / 2;
@@ -418,8 +434,8 @@ static inline void panel_rows_quantized(
                     for (int i = 0; i < 4; i++)
                         dot += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, i)
                                * xq[r * k_len + g * QGROUP + 4 * q + i];
-                acc[j] = fmaf(d[g * PANEL + j], scale * (float)dot, acc[j]);
-                if (mn) acc[j] = fmaf(mn[g * PANEL + j], xs, acc[j]);
+                acc[j] = fmaf(half_to_float(d[g * PANEL + j]), scale * (float)dot, acc[j]);
+                if (mn) acc[j] = fmaf(half_to_float(mn[g * PANEL + j]), xs, acc[j]);
             }
         }
         for (int64_t j = 0; j < cols; j++) y[r * y_stride + j] = bias ? acc[j] + bias[j] : acc[j];
@@ -433,7 +449,7 @@ int64_t quant_dot_simd(void) { return QUANT_DOT_SIMD; }
    be NULL. K is a multiple of QGROUP. Panels are shared out among threads, rows four at a time.
    Returns -1 when the quantized rows find no memory, else 0. */
 int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, const uint8_t *codes,
-                     const float *scales, const float *mins, int64_t n, const float *bias, float *y) {
+                     const uint16_t *scales, const uint16_t *mins, int64_t n, const float *bias, float *y) {
     const int64_t count = (n + PANEL - 1) / PANEL, groups = k_len / QGROUP;
     const int64_t panel_bytes = k_len * PANEL * bits / 8;
     int8_t *xq = malloc((size_t)(m * k_len));
@@ -447,7 +463,7 @@ int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, con
 #pragma omp parallel for schedule(static) if (m * k_len * n * 2 >= PARALLEL_MIN_FLOPS && count > 1)
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *c = codes + p * panel_bytes;
-        const float *d = scales + p * groups * PANEL, *mn = mins ? mins + p * groups * PANEL : 0;
+        const uint16_t *d = scales + p * groups * PANEL, *mn = mins ? mins + p * groups * PANEL : 0;
         const float *b = bias ? bias + p * PANEL : 0;
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         for (int64_t r = 0; r < m; r += 4) {
@@ -477,7 +493,8 @@ as much as the arithmetic. */
 typedef struct {
     int64_t bits;
     const void *weights; /* float panels, or codes */
-    const float *scales, *mins, *bias; /* scales and mins for codes only; any may be NULL but scales */
+    const uint16_t *scales, *mins; /* codes only (float16); mins may be NULL */
+    const float *bias;             /* may be NULL */
     int64_t n;                         /* output columns */
 } Projection;
 

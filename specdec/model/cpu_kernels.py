@@ -100,9 +100,10 @@ class CpuKernels:
                 f"matmul: x {tuple(x.shape)} @ [{weight.in_features}, {weight.out_features}] -> out {tuple(out.shape)}")
         bias = None if weight.bias is None else weight.bias.data_ptr()
         if isinstance(weight, QuantizedPanelWeight):
-            mins = None if weight.mins is None else weight.mins.data_ptr()
-            if self._lib.matmul_quantized(_ptr(x), m, k, weight.bits, weight.codes.data_ptr(),
-                                          weight.scales.data_ptr(), mins, weight.out_features, bias, _ptr(out)):
+            mins = None if weight.mins is None else _ptr(weight.mins, torch.float16)
+            if self._lib.matmul_quantized(_ptr(x), m, k, weight.bits, _ptr(weight.codes, torch.uint8),
+                                          _ptr(weight.scales, torch.float16), mins, weight.out_features, bias,
+                                          _ptr(out)):
                 raise MemoryError("matmul: no memory for the quantized input rows")
         else:
             self._lib.matmul(_ptr(x), m, k, weight.panels.data_ptr(), weight.out_features, bias, _ptr(out))
@@ -116,8 +117,9 @@ class CpuKernels:
             panels = p.panels
             bias = None if panels.bias is None else _ptr(panels.bias)
             if isinstance(panels, QuantizedPanelWeight):
-                return _Projection(panels.bits, _ptr(panels.codes, torch.uint8), _ptr(panels.scales),
-                                   None if panels.mins is None else _ptr(panels.mins), bias, panels.out_features)
+                return _Projection(panels.bits, _ptr(panels.codes, torch.uint8), _ptr(panels.scales, torch.float16),
+                                   None if panels.mins is None else _ptr(panels.mins, torch.float16), bias,
+                                   panels.out_features)
             return _Projection(32, _ptr(panels.panels), None, None, bias, panels.out_features)
 
         table = (_DecoderLayer * len(layers))()

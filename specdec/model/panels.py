@@ -3,7 +3,7 @@
 A product streams one panel (PANEL = 64 columns, all K rows) at a time, so a panel's numbers lie
 together: floats as [panel][K][64]; codes (model.quantized) as [panel][K / 4][64 columns x 4
 consecutive k] bytes, so that one 64-byte load feeds the CPU's 4-way int8 dot products, with
-their scales (and minimums) as floats [panel][K / 32][64]. Columns past N are zeros.
+their scales (and minimums) as float16 [panel][K / 32][64]. Columns past N are zeros.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class QuantizedPanelWeight:
     """A projection's weight [K, N] as codes (a model.quantized.QuantizedMatrix [N, K], the
     checkpoint's layout) in cpu_kernels.c's order (there, "quantized projections"): codes
     [ceil(N / P), K / 4, P * bits / 2] bytes, 8-bit codes stored + 128; scales and mins
-    [ceil(N / P), K / GROUP, P] float32 (zeros past N); its optional bias [N]."""
+    [ceil(N / P), K / GROUP, P] float16 (zeros past N); its optional bias [N]."""
 
     def __init__(self, matrix, bias: torch.Tensor | None, width: int):
         n, k = matrix.shape
@@ -49,8 +49,8 @@ class QuantizedPanelWeight:
             z = quads.to(torch.uint8).reshape(count, k // 4, 4, 16 * 4)
             codes = torch.stack([z[:, :, 0] | (z[:, :, 1] << 4), z[:, :, 2] | (z[:, :, 3] << 4)], dim=2)
         self.codes = codes.reshape(count, k // 4, -1).contiguous()
-        self.scales = panels(matrix.scales.float())
-        self.mins = None if matrix.mins is None else panels(matrix.mins.float())
+        self.scales = panels(_half_exactly(matrix.scales))
+        self.mins = None if matrix.mins is None else panels(_half_exactly(matrix.mins))
         self.bits = matrix.bits
         self.bias = None if bias is None else bias.float().contiguous()
         self.in_features, self.out_features = k, n
@@ -72,5 +72,15 @@ class QuantizedPanelWeight:
             z = lane // 16
             packed = self.codes.view(count, quads, 2, 16, 4)[panel, :, z // 2, lane % 16]  # [T, K / 4, 4]
             codes = torch.where((z % 2 == 1).view(-1, 1, 1), packed >> 4, packed & 15)
-        rows = codes.reshape(len(index), -1).float() * self.scales[panel, :, lane].repeat_interleave(GROUP, dim=1)
-        return rows if self.mins is None else rows + self.mins[panel, :, lane].repeat_interleave(GROUP, dim=1)
+        scales = self.scales[panel, :, lane].float().repeat_interleave(GROUP, dim=1)
+        rows = codes.reshape(len(index), -1).float() * scales
+        return rows if self.mins is None else rows + self.mins[panel, :, lane].float().repeat_interleave(GROUP, dim=1)
+
+
+def _half_exactly(values: torch.Tensor) -> torch.Tensor:
+    """float16 scales or minimums: they hold float16 values already (model.quantized), so nothing
+    is rounded here; anything else is a bug upstream."""
+    half = values.half()
+    if not torch.equal(half.float(), values.float()):
+        raise ValueError("quantized scales or minimums that float16 does not hold exactly")
+    return half

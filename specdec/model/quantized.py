@@ -28,8 +28,8 @@ CODE_BITS = {"q8": 8, "q4": 4}  # the weight formats held as codes
 @dataclass
 class QuantizedMatrix:
     """A [out, in] matrix (a checkpoint's layout) as codes: w = scales * codes + mins, groupwise.
-    codes [out, in] int8 (q8: -128..127; q4: 0..15); scales, mins [out, in / GROUP] float32;
-    mins None for q8 (no minimum)."""
+    codes [out, in] int8 (q8: -128..127; q4: 0..15); scales, mins [out, in / GROUP] float32
+    holding float16 values; mins None for q8 (no minimum)."""
 
     bits: int
     codes: torch.Tensor
@@ -56,18 +56,19 @@ class QuantizedMatrix:
 
 def quantize(weight: torch.Tensor, bits: int) -> QuantizedMatrix:
     """weight [out, in] (in a multiple of GROUP) -> codes: q8 symmetric (scale = max |w| / 127),
-    q4 from each group's minimum to its maximum in 15 steps (as GGUF's Q8_0 and Q4_1)."""
+    q4 from each group's minimum to its maximum in 15 steps (as GGUF's Q8_0 and Q4_1), scales and
+    minimums rounded to float16 first (as GGUF stores them and the kernels read them)."""
     out, inputs = weight.shape
     if inputs % GROUP:
         raise ValueError(f"a [{out}, {inputs}] matrix cannot be quantized: inputs must be a multiple of {GROUP}")
     groups = weight.float().reshape(out, inputs // GROUP, GROUP)
     if bits == 8:
-        scales = groups.abs().amax(dim=2) / 127
+        scales = (groups.abs().amax(dim=2) / 127).half().float()
         codes = torch.round(groups / scales.clamp_min(1e-30).unsqueeze(2)).clamp(-127, 127)
         return QuantizedMatrix(8, codes.to(torch.int8).reshape(out, inputs), scales.contiguous(), None)
     if bits == 4:
-        low, high = groups.amin(dim=2), groups.amax(dim=2)
-        scales = (high - low) / 15
+        low = groups.amin(dim=2).half().float()
+        scales = ((groups.amax(dim=2) - low) / 15).half().float()
         codes = torch.round((groups - low.unsqueeze(2)) / scales.clamp_min(1e-30).unsqueeze(2)).clamp(0, 15)
         return QuantizedMatrix(4, codes.to(torch.int8).reshape(out, inputs), scales.contiguous(), low.contiguous())
     raise ValueError(f"unsupported code width {bits} (8 or 4)")

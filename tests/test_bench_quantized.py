@@ -47,3 +47,16 @@ def test_bench_peer_measures_specdec_without_llama_cpp(tmp_path, capsys, monkeyp
 def test_bench_peer_refuses_bad_counts(capsys):
     assert cli.main(["bench-peer", "--runs", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+@needs_kernels
+def test_bench_step_measures_a_quantized_gguf(tmp_path, capsys, monkeypatch):
+    """bench-step takes a GGUF held as codes: no torch path to compare its kernels with, and says so."""
+    monkeypatch.setattr(peer_command, "llama_cpp_version", lambda: None)
+    assert cli.main(["bench-peer", "--quick", "--types", "Q4_1", "--cache-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    gguf = tmp_path / "tiny-copy-v1-seed0-Q4_1.gguf"
+    assert cli.main(["bench-step", "--quick", "--target", str(gguf)]) == 0
+    printed = capsys.readouterr().out
+    assert "weights as codes" in printed and "no torch path to compare with" in printed
+    assert "same output as plain: True" in printed

@@ -127,6 +127,7 @@ def run(args) -> int:
         torch_step = time_decode_steps(runner, prompt, 1, steps, probe)
         runner.model.kernels = kernels
     config = runner.model.config
+    held_as = "weights as codes (q8/q4), float32 activations" if runner.model.quantized else "float32"
     del runner
 
     # -- plain generate: specdec vs Hugging Face -------------------------------------------------
@@ -154,7 +155,7 @@ def run(args) -> int:
     shape_text = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
                   f"{config.intermediate_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads, "
                   f"vocab {config.vocab_size}")
-    print(f"specdec bench-step: {what} ({shape_text}), float32, {args.threads} threads, {os.cpu_count()} CPUs")
+    print(f"specdec bench-step: {what} ({shape_text}), {held_as}, {args.threads} threads, {os.cpu_count()} CPUs")
     print(f"load average (1, 5, 15 min): {load_at_start} at start")
     print(f"floor: {s1.weight_bytes / 1e6:.1f} MB of weights per decode step / {s1.bandwidth / 1e9:.1f} GB/s "
           f"(one [{MATVEC_SHAPE[0]} x {MATVEC_SHAPE[1]}] matvec, between the steps) "

@@ -303,6 +303,7 @@ nibbles and 16-31 in their high ones, bytes 64-127 columns 32-47 and 48-63 likew
 minimums are float16 (as GGUF stores them), [ceil(N / PANEL)][K / QGROUP][PANEL]. */
 
 #define QGROUP 32
+#define QUADS (QGROUP / 4)
 
 /* A float16 (IEEE binary16) as float, exactly: what the CPU's conversion instruction gives. */
 static inline float half_to_float(uint16_t h) {
@@ -316,7 +317,6 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&value, &bits, sizeof value);
     return value;
 }
-#define QUADS (QGROUP / 4)
 
 int64_t quant_group(void) { return QGROUP; }
 
@@ -366,8 +366,8 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
         __m512 acc[4][2];
         for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            __m512i dot[4][2];
-            for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+            __m512i products[4][2];
+            for (int r = 0; r < rows; r++) products[r][0] = products[r][1] = _mm512_setzero_si512();
             for (int q = 0; q < QUADS; q++) {
                 const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes;
                 __m512i w0, w1;
@@ -381,8 +381,8 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
                     int32_t four;
                     memcpy(&four, xq + r * k_len + g * QGROUP + 4 * q, 4);
                     const __m512i xv = _mm512_set1_epi32(four);
-                    dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xv);
-                    dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xv);
+                    products[r][0] = _mm512_dpbusd_epi32(products[r][0], w0, xv);
+                    products[r][1] = _mm512_dpbusd_epi32(products[r][1], w1, xv);
                 }
             }
             const uint16_t *dg = d + g * PANEL + 32 * half;
@@ -393,11 +393,12 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
                 const float scale = dx[r * groups + g];
                 if (bits == 8) { /* the codes were stored + 128 */
                     const __m512i offset = _mm512_set1_epi32(128 * sum);
-                    dot[r][0] = _mm512_sub_epi32(dot[r][0], offset), dot[r][1] = _mm512_sub_epi32(dot[r][1], offset);
+                    products[r][0] = _mm512_sub_epi32(products[r][0], offset);
+                    products[r][1] = _mm512_sub_epi32(products[r][1], offset);
                 }
                 const __m512 sv = _mm512_set1_ps(scale);
-                acc[r][0] = _mm512_fmadd_ps(d0, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(dot[r][0])), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(d1, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(dot[r][1])), acc[r][1]);
+                acc[r][0] = _mm512_fmadd_ps(d0, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(products[r][0])), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(d1, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(products[r][1])), acc[r][1]);
                 if (mn) {
                     const __m512 xs = _mm512_set1_ps(scale * (float)sum);
                     const uint16_t *mg = mn + g * PANEL + 32 * half;
@@ -429,12 +430,12 @@ static inline void panel_rows_quantized(
             const int32_t sum = xsum[r * groups + g];
             const float scale = dx[r * groups + g], xs = scale * (float)sum;
             for (int j = 0; j < PANEL; j++) {
-                int32_t dot = 0;
+                int32_t products = 0;
                 for (int q = 0; q < QUADS; q++)
                     for (int i = 0; i < 4; i++)
-                        dot += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, i)
+                        products += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, i)
                                * xq[r * k_len + g * QGROUP + 4 * q + i];
-                acc[j] = fmaf(half_to_float(d[g * PANEL + j]), scale * (float)dot, acc[j]);
+                acc[j] = fmaf(half_to_float(d[g * PANEL + j]), scale * (float)products, acc[j]);
                 if (mn) acc[j] = fmaf(half_to_float(mn[g * PANEL + j]), xs, acc[j]);
             }
         }
@@ -495,7 +496,7 @@ typedef struct {
     const void *weights; /* float panels, or codes */
     const uint16_t *scales, *mins; /* codes only (float16); mins may be NULL */
     const float *bias;             /* may be NULL */
-    int64_t n;                         /* output columns */
+    int64_t n;                     /* output columns */
 } Projection;
 
 typedef struct {

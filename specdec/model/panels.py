@@ -12,15 +12,21 @@ import torch
 from specdec.model.quantized import GROUP
 
 
+def column_panels(by_column: torch.Tensor, width: int) -> torch.Tensor:
+    """by_column [N, X] (one row per output column) -> [ceil(N / width), X, width], zeros past N."""
+    n = by_column.shape[0]
+    count = -(-n // width)
+    padded = torch.nn.functional.pad(by_column, (0, 0, 0, count * width - n))
+    return padded.view(count, width, by_column.shape[1]).transpose(1, 2).contiguous()
+
+
 class PanelWeight:
     """A projection's weight [K, N] in the C kernels' column panels ([ceil(N / P)][K][P], P =
     panel width, zeros past N) with its optional bias [N]."""
 
     def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, width: int):
         k, n = weight_in_out.shape
-        count = -(-n // width)
-        padded = torch.nn.functional.pad(weight_in_out.float(), (0, count * width - n))
-        self.panels = padded.view(k, count, width).transpose(0, 1).contiguous()  # [count, K, width]
+        self.panels = column_panels(weight_in_out.float().t(), width)  # [count, K, width]
         self.bias = None if bias is None else bias.float().contiguous()
         self.in_features, self.out_features = k, n
 
@@ -36,21 +42,16 @@ class QuantizedPanelWeight:
         count = -(-n // width)
         if width != 64 or k % GROUP:  # cpu_kernels.c's 4-bit layout: four vectors of 16 columns a panel
             raise ValueError(f"quantized panels need width 64 and inputs a multiple of {GROUP}: {width}, {k}")
-
-        def panels(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [count, X, width], zeros past N
-            padded = torch.nn.functional.pad(t, (0, 0, 0, count * width - n))
-            return padded.view(count, width, t.shape[1]).transpose(1, 2).contiguous()
-
         # [count, K / 4, width, 4]: each column's 4 consecutive codes side by side
-        quads = panels(matrix.codes.to(torch.int16)).view(count, k // 4, 4, width).transpose(2, 3)
+        quads = column_panels(matrix.codes.to(torch.int16), width).view(count, k // 4, 4, width).transpose(2, 3)
         if matrix.bits == 8:
             codes = (quads + 128).to(torch.uint8)
         else:  # columns 16 z .. 16 z + 15 as z = 0..3; z = 1 and 3 in the high nibbles
             z = quads.to(torch.uint8).reshape(count, k // 4, 4, 16 * 4)
             codes = torch.stack([z[:, :, 0] | (z[:, :, 1] << 4), z[:, :, 2] | (z[:, :, 3] << 4)], dim=2)
         self.codes = codes.reshape(count, k // 4, -1).contiguous()
-        self.scales = panels(_half_exactly(matrix.scales))
-        self.mins = None if matrix.mins is None else panels(_half_exactly(matrix.mins))
+        self.scales = column_panels(_half_exactly(matrix.scales), width)
+        self.mins = None if matrix.mins is None else column_panels(_half_exactly(matrix.mins), width)
         self.bits = matrix.bits
         self.bias = None if bias is None else bias.float().contiguous()
         self.in_features, self.out_features = k, n

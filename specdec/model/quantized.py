@@ -11,7 +11,8 @@ never widen them to floats in memory.
 GGUF's Q8_0, Q4_0 and Q4_1 blocks are exactly these formats (32 numbers, fp16 scale and minimum),
 so their codes and scales are taken as stored: the numbers are the file's, bit for bit. Other
 quantized types (the K-quants, Q5_*, IQ*) are dequantized and quantized again to the nearest
-format, as is a float checkpoint loaded with `--weights q8|q4`: an approximation of the float
+format, as is a float checkpoint loaded as q8 or q4 (settings `target_weights`, `draft_weights`):
+an approximation of the float
 model, whose agreement `specdec bench-quant` reports.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ CODE_BITS = {"q8": 8, "q4": 4}  # the weight formats held as codes
 @dataclass
 class QuantizedMatrix:
     """A [out, in] matrix (a checkpoint's layout) as codes: w = scales * codes + mins, groupwise.
-    codes [out, in] int8 (q8: -128..127; q4: 0..15); scales, mins [out, in / GROUP] float32
+    codes [out, in] int8 (q8: -127..127; q4: 0..15); scales, mins [out, in / GROUP] float32
     holding float16 values; mins None for q8 (no minimum)."""
 
     bits: int
@@ -85,9 +86,12 @@ def as_bits(matrix: QuantizedMatrix, bits: int) -> QuantizedMatrix:
 
 
 def stack_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
-    """Several matrices of one input size stacked on out (a fused product), in the widest codes."""
+    """Several matrices of one input size stacked on out (a fused product), in the widest codes;
+    one matrix is returned as it is (no copy)."""
     bits = max(p.bits for p in parts)
     parts = [as_bits(p, bits) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
     mins = None
     if any(p.mins is not None for p in parts):
         mins = torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins for p in parts])

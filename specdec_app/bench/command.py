@@ -76,6 +76,7 @@ def run(args) -> int:
     systems = list(args.systems)
     torch.set_num_threads(args.threads)
     target, draft = resolve_path(config.target.model), resolve_path(args.draft)
+    weights = (config.target.weights, config.draft.weights)  # the target's and the draft's weight formats
     if args.prompts is not None:
         set_files = {prompt_set_name(resolve_path(args.prompts)): resolve_path(args.prompts)}
     else:
@@ -136,7 +137,7 @@ def run(args) -> int:
         spec = SYSTEMS[key]
         if key in SPECDEC_SYSTEMS:
             built[key] = EngineSystem(key, target, drafter_paths[spec.drafter], k, kv_blocks, max(batch_sizes),
-                                      adaptive=spec.adaptive, weights=(config.target.weights, config.draft.weights))
+                                      adaptive=spec.adaptive, weights=weights)
         else:
             hf_target = hf_target if hf_target is not None else load_hf(target)
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)
@@ -146,7 +147,7 @@ def run(args) -> int:
     if needs_draft:
         params["draft"] = load_model(draft).num_parameters
     env = environment(args, params, load_at_start)
-    env["weights"] = {"target": config.target.weights, "draft": config.draft.weights}
+    env["weights"] = dict(zip(("target", "draft"), weights))
 
     # -- cost ratio c, per prompt set (context lengths differ) ---------------------------------
     costs_by_set = None
@@ -156,7 +157,7 @@ def run(args) -> int:
         costs_by_set = measure_step_costs(target, draft if has_draft else None,
                                           {name: ids for name, (ids, _) in prompt_sets.items()}, batch_sizes, k,
                                           cost_steps, kv_cache_blocks=kv_blocks,
-                                          weights=(config.target.weights, config.draft.weights))
+                                          weights=weights)
 
     # -- main grid -----------------------------------------------------------------------------------
     # Prompt set outermost: the adaptive policy's running acceptance estimate then moves from one
@@ -197,7 +198,7 @@ def run(args) -> int:
                 if r.system == "engine" and r.batch == 1 and r.mode == greedy.name and r.prompt_set == first_set]
         if not base:
             plain = built.get("engine") or EngineSystem("engine", target, None, k, kv_blocks, max(batch_sizes),
-                                                        weights=(config.target.weights, config.draft.weights))
+                                                        weights=weights)
             plain.warm_up(prompts, 1, greedy, args.seed)
             base = [plain.run(prompts, 1, greedy, max_new, args.seed, prompt_set=first_set)]
         sweep_baseline = base

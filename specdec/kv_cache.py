@@ -66,6 +66,7 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
+        self.reserved: list[int] = []  # blocks no sequence owns (reserve_block)
 
     # -- sequence bookkeeping -------------------------------------------------------------
     def add_sequence(self, seq_id: str) -> None:
@@ -115,6 +116,13 @@ class PagedKVCache:
             del table[keep:]
         self._lengths[seq_id] = length
 
+    def reserve_block(self) -> int:
+        """Take one block out of the pool for good: the padding rows of a replayed CUDA graph
+        write their keys there (model.cuda_graphs), where no sequence reads them."""
+        block = self.allocator.allocate(1)[0]
+        self.reserved.append(block)
+        return block
+
     def free_sequence(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)
         self._lengths.pop(seq_id, None)
@@ -123,7 +131,7 @@ class PagedKVCache:
 
     def check_accounting(self) -> None:
         """Every block is owned by exactly one live sequence or is free (used by tests)."""
-        owned = [b for t in self._tables.values() for b in t]
+        owned = [b for t in self._tables.values() for b in t] + self.reserved
         if len(owned) != len(set(owned)):
             raise AssertionError("a KV block is owned by two sequences")
         free = set(self.allocator._free)

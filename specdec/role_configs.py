@@ -72,6 +72,10 @@ class WorkerConfig:
         True, "on CPU (float32), run every forward pass in specdec's C kernels, built on first use with the "
               "system's C compiler: faster for small models, and batch-invariant (a token's logits do not "
               "depend on how it was scheduled); torch's ops where no compiler is found")
+    cuda_graph_max_batch: int = setting(
+        32, "on CUDA (with Triton installed), replay decode, draft and verify passes of up to this many "
+            "sequences from CUDA graphs captured on first use (one launch per pass instead of hundreds); "
+            "0 runs every pass eagerly")
 
     role = "worker"  # names the fields in error messages
 
@@ -92,6 +96,9 @@ class WorkerConfig:
         _check(isinstance(self.cpu_kernels, bool), f"{self.role}.cpu_kernels", "true or false",
                self.cpu_kernels)
         _positive(f"{self.role}.prefill_chunk_tokens", self.prefill_chunk_tokens)
+        _check(isinstance(self.cuda_graph_max_batch, int) and not isinstance(self.cuda_graph_max_batch, bool)
+               and self.cuda_graph_max_batch >= 0, f"{self.role}.cuda_graph_max_batch", "an integer >= 0",
+               self.cuda_graph_max_batch)
 
     @property
     def resolved_dtype(self) -> str:

@@ -20,6 +20,7 @@ SERVE_SETTINGS = {
                "max_batch_size", "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "kv_memory_fraction",
                "prefill_chunk_tokens",
                "target_threads", "draft_threads", "target_weights", "draft_weights", "packed_weights", "cpu_kernels",
+               "cuda_graph_max_batch",
                "max_q_entries", "ngram_max",
                "ngram_min", "ngram_window"),
     "network": ("host", "port", "http_port", "tls_cert", "tls_key", "auth_token", "grace_period",

@@ -14,6 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Measured round costs are cached per checkpoint; keep the tests' in a directory of their own.
 os.environ.setdefault("SPECDEC_CACHE_DIR", tempfile.mkdtemp(prefix="specdec-test-cache-"))
+# Without a GPU, Triton's kernels (the GPU path: specdec.model.triton_attention, triton_ops) run in
+# its CPU interpreter; it must be chosen before Triton compiles anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Two cores: one intra-op thread per test process keeps timings stable and avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 

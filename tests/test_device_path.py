@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE_PATH = ["draft_worker/model_drafter.py", "target_worker/worker.py", "target_worker/proposal_check.py",
                "coordinator/rounds/predraft.py", "specdec/sampling/speculative.py", "specdec/sampling/transforms.py",
                "specdec/model/attention.py", "specdec/model/batch.py", "specdec/model/decoder.py",
-               "specdec/kv_cache.py"]
+               "specdec/kv_cache.py", "specdec/model/triton_attention.py", "specdec/model/triton_ops.py",
+               "specdec/model/gpu_forward.py", "specdec/model/cuda_graphs.py"]
 CONSTRUCTORS = {"tensor", "zeros", "ones", "full", "empty", "arange", "randn", "rand", "randint", "as_tensor"}
 
 

@@ -7,6 +7,8 @@ sequence in a padded [B, Qmax] layout through `token_index`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 
 import torch
 
@@ -19,10 +21,6 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] absolute position of each token in its sequence
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) to write K/V into
     block_tables: torch.Tensor  # [B, max_blocks]
-    # [B, L] flat cache slot of each sequence's key positions 0..L-1 (L = context_len; a shorter
-    # sequence's tail points at some slot and is masked): every layer gathers its keys with one
-    # index_select through it instead of re-deriving them from the block tables.
-    kv_slots: torch.Tensor
     # With one sequence whose blocks are consecutive, its keys are the flat cache rows kv_start ..
     # kv_start + L - 1: attention reads them as a view, with no gather at all (None otherwise).
     kv_start: int | None
@@ -31,6 +29,9 @@ class ForwardBatch:
     token_seqs: torch.Tensor  # [T] which sequence (row of kv_slots) each token belongs to
     query_positions: torch.Tensor  # [B, Qmax] absolute positions (0 for padding)
     logits_indices: torch.Tensor  # [M] which flat tokens need logits
+    seq_lens: torch.Tensor  # [B] each sequence's length once this pass's tokens are in
+    query_start: torch.Tensor  # [B + 1] sequence b's new tokens are rows query_start[b] .. [b + 1] - 1
+    max_query_len: int  # Qmax: the most new tokens any sequence has in this pass
     uniform_query_len: bool  # every sequence has the same number of new tokens (no padding)
     all_logits: bool  # logits_indices is every token in order (a decode step): no gather needed
     block_size: int  # tokens per KV block
@@ -39,6 +40,16 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @cached_property
+    def kv_slots(self) -> torch.Tensor:
+        """[B, L] flat cache slot of each sequence's key positions 0..L-1 (L = context_len; a
+        shorter sequence's tail points at some slot and is masked): every layer of the torch path
+        and the C kernels gathers its keys through it instead of re-deriving them from the block
+        tables. Made on first use: Triton's attention reads the block tables themselves."""
+        in_block = torch.arange(self.block_size, device=self.block_tables.device)
+        slots = (self.block_tables[:, :, None] * self.block_size + in_block).flatten(1)
+        return slots[:, :self.context_len].contiguous()
 
 
 def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[list[int]],
@@ -65,33 +76,40 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         token_rows += range(len(token_index) * qmax - qmax, len(token_index) * qmax - pad)
         token_seqs += [len(token_index) - 1] * len(toks)
 
-    def tensor(values, dtype=torch.long):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    block_tables = cache.block_tables_tensor(seq_ids)
-    context_len = max(cache.length(s) for s in seq_ids)
+    seq_lens = [cache.length(s) for s in seq_ids]
+    tables = [cache.block_table(s) for s in seq_ids]
+    width = max(1, max(map(len, tables)))  # block tables padded with block 0 (hidden by the lengths)
+    parts = [input_ids, positions, slots, token_rows, token_seqs, logits_indices, seq_lens,
+             [0, *accumulate(query_lens)], [i for row in token_index for i in row],
+             [p for row in query_positions for p in row], [b for t in tables for b in t + [0] * (width - len(t))]]
+    # Every index of the pass crosses to the device in one copy (on a GPU each copy is a
+    # blocking transfer of its own), then splits into views.
+    host = torch.tensor([v for part in parts for v in part], dtype=torch.long)  # host: copied once below
+    (input_ids_t, positions_t, slots_t, token_rows_t, token_seqs_t, logits_indices_t, seq_lens_t, query_start_t,
+     token_index_t, query_positions_t, tables_t) = host.to(device).split([len(part) for part in parts])
+    block_tables = tables_t.view(len(seq_ids), width)
     block_size = cache.block_size
-    in_block = torch.arange(block_size, device=device)
-    kv_slots = (block_tables[:, :, None] * block_size + in_block).flatten(1)[:, :context_len]
     kv_start = None
     if len(seq_ids) == 1:
-        table = cache.block_table(seq_ids[0])
+        table = tables[0]
         if table == list(range(table[0], table[0] + len(table))):
             kv_start = table[0] * block_size
     return ForwardBatch(
-        input_ids=tensor(input_ids),
-        positions=tensor(positions),
-        slots=tensor(slots),
+        input_ids=input_ids_t,
+        positions=positions_t,
+        slots=slots_t,
         block_tables=block_tables,
-        kv_slots=kv_slots.contiguous(),
         kv_start=kv_start,
-        token_index=tensor(token_index),
-        token_rows=tensor(token_rows),
-        token_seqs=tensor(token_seqs),
-        query_positions=tensor(query_positions),
-        logits_indices=tensor(logits_indices),
+        token_index=token_index_t.view(len(seq_ids), qmax),
+        token_rows=token_rows_t,
+        token_seqs=token_seqs_t,
+        query_positions=query_positions_t.view(len(seq_ids), qmax),
+        logits_indices=logits_indices_t,
+        seq_lens=seq_lens_t,
+        query_start=query_start_t,
+        max_query_len=qmax,
         uniform_query_len=all(q == qmax for q in query_lens),
         all_logits=logits_indices == list(range(total)),
         block_size=block_size,
-        context_len=context_len,
+        context_len=max(seq_lens),
     )

@@ -13,6 +13,7 @@ other dtypes and machines without a C compiler.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -34,6 +35,23 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # Tests only: "1" lets bfloat16/float16 models run on the CPU (torch's ops), so that the half
 # precision code a GPU runs is executed somewhere in CI.
 CPU_HALF_PRECISION_ENV = "SPECDEC_TEST_CPU_HALF_PRECISION"
+# Which attention a torch-path model runs: "triton" (model.triton_attention; the default on CUDA
+# where Triton is installed) or "torch" (model.attention; the default elsewhere). Tests set
+# "triton" on the CPU under TRITON_INTERPRET=1 to run the GPU's kernel here.
+ATTENTION_ENV = "SPECDEC_ATTENTION"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def attention_backend(device: torch.device) -> str:
+    chosen = os.environ.get(ATTENTION_ENV) or ("triton" if device.type == "cuda" and triton_available() else "torch")
+    if chosen not in ("triton", "torch"):
+        raise ValueError(f"{ATTENTION_ENV}={chosen!r}: choose triton or torch")
+    if chosen == "triton" and not triton_available():
+        raise ValueError(f"{ATTENTION_ENV}=triton but Triton is not installed")
+    return chosen
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -79,6 +97,11 @@ class Model:
         self.layer_table = kernels.layer_table(weights.layers) if kernels is not None else None
         self._q_size = config.num_attention_heads * config.head_dim
         self._kv_size = config.num_key_value_heads * config.head_dim
+        self.attention = attention_backend(self.device)
+        self.fused_ops = False  # whole passes in model.gpu_forward's kernels
+        if self.attention == "triton":  # (Triton is imported only by a model that runs its kernels)
+            from specdec.model import triton_ops
+            self.fused_ops = triton_ops.fused_ops_fit(config.head_dim)
 
     @property
     def num_parameters(self) -> int:
@@ -100,15 +123,20 @@ class Model:
         [M, vocab] for batch.logits_indices."""
         if self.kernels is not None and kernel_forward_fits(batch, self.rotary.cos.shape[0]):
             return kernel_forward(self, batch, cache)
-        if self.quantized:  # only the kernels multiply by codes; this raises the lookup's clear error
-            self.rotary.lookup(batch.positions)
+        if batch.context_len > self.rotary.cos.shape[0]:  # (a GPU would fault on the lookup, not raise)
             raise ValueError(f"positions beyond the model's {self.rotary.cos.shape[0]}")
+        if self.quantized:  # only the kernels multiply by codes
+            raise ValueError("weights held as codes run in specdec's C kernels only")
+        if self.fused_ops and self.weights.layers[0].qk_norm is None:
+            from specdec.model.gpu_forward import gpu_forward
+            return gpu_forward(self, batch, cache)
         c = self.config
         x = self.weights.embed_rows(batch.input_ids)
         num_tokens = x.shape[0]
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         cos, sin = self.rotary.lookup(batch.positions)
-        mask = attention_mask(batch)  # the same for every layer
+        paged = self.attention == "triton"
+        mask = None if paged else attention_mask(batch)  # the same for every layer
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(h)  # [T, (H + 2 Hkv) * D]
@@ -120,7 +148,12 @@ class Model:
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self._q_size + self._kv_size:].view(num_tokens, kv_heads, c.head_dim)
             write_kv(cache.k[index], cache.v[index], k, v, batch.slots)
-            attn = paged_attention(q, cache.k[index], cache.v[index], batch, mask, self.scale)
+            if paged:
+                from specdec.model.triton_attention import triton_paged_attention
+                attn = triton_paged_attention(q, cache.k[index], cache.v[index], batch.block_tables, batch.seq_lens,
+                                              batch.query_start, batch.positions, batch.max_query_len, self.scale)
+            else:
+                attn = paged_attention(q, cache.k[index], cache.v[index], batch, mask, self.scale)
             x = x + layer.o_proj(attn.reshape(num_tokens, -1))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

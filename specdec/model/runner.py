@@ -6,6 +6,7 @@ import torch
 from specdec.config import WorkerConfig
 from specdec.kv_cache import PagedKVCache, blocks_for_tokens
 from specdec.model.batch import prepare_forward
+from specdec.model.cuda_graphs import GraphedPasses
 from specdec.model.decoder import Model, load_model
 from specdec.model.memory_budget import CudaMemory, DeviceMemory, accelerator_num_blocks, bytes_per_block
 
@@ -35,6 +36,9 @@ class ModelRunner:
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)
         self.chunk_tokens = config.prefill_chunk_tokens
         self.forward_passes = 0
+        self.graphs = None  # model.cuda_graphs: on CUDA with Triton's attention unless turned off
+        if device.type == "cuda" and model.attention == "triton" and config.cuda_graph_max_batch > 0:
+            self.graphs = GraphedPasses(model, self.cache, config.cuda_graph_max_batch)
 
     @staticmethod
     def load(config: WorkerConfig, spec: str) -> ModelRunner:
@@ -73,7 +77,8 @@ class ModelRunner:
             raise
 
     def _pass(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        logits = self.model.forward(prepare_forward(self.cache, seq_ids, new_tokens, num_logits), self.cache)
+        batch = prepare_forward(self.cache, seq_ids, new_tokens, num_logits)
+        logits = self.graphs.forward(batch) if self.graphs else self.model.forward(batch, self.cache)
         self.forward_passes += 1
         return logits
 

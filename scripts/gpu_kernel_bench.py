@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""The pieces of a GPU decode step, timed alone (issue 24's diagnosis; scripts/gpu_check.py times
+whole passes). Needs only torch and Triton; run from the checkout on a CUDA machine:
+
+    PYTHONPATH=. python scripts/gpu_kernel_bench.py --out /tmp/gpu
+
+- products: y = x @ W for the projections of the Llama-3.2-1B/3B shapes at 1 and 8 rows, in GB/s
+  of weight streamed, through cuBLAS with W held [in, out] (what specdec keeps) or [out, in]
+  (F.linear); weights rotate over copies larger than the L2 cache, so each call streams from
+  memory;
+- attention: model.triton_attention at batch 1, 1 and 6 new tokens, contexts 512 to 32k, keys in
+  one split or in the splits the kernel chooses;
+- a graph of 300 tiny kernels: what each kernel costs inside a CUDA graph however small.
+Each time is the median of CUDA-event timings of CUDA graphs of the calls (no host launch gaps);
+a table is printed and written as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.model.triton_attention import triton_paged_attention  # noqa: E402
+
+PRODUCTS = {"3B": {"qkv": (3072, 5120), "o_proj": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072),
+                   "lm_head": (3072, 128256)},
+            "1B": {"qkv": (2048, 3072), "o_proj": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}}
+L2_BYTES = 64 << 20
+
+
+def graph_ms(calls: list, repeats: int = 20) -> float:
+    """Milliseconds per call of `calls` captured in one CUDA graph (no launch gaps from Python)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return median_ms(graph.replay, repeats) / len(calls)
+
+
+def median_ms(fn, repeats: int = 30) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def products(device: torch.device) -> list[dict]:
+    """Each projection at 1 and 8 rows through cuBLAS, the weight held [in, out] (as specdec holds
+    it) and [out, in] (F.linear), timed inside CUDA graphs over weight copies that do not fit the
+    L2 cache together: GB/s of weight streamed."""
+    rows = []
+    for shape, projections in PRODUCTS.items():
+        for name, (fan_in, fan_out) in projections.items():
+            nbytes = fan_in * fan_out * 2
+            copies = max(2, -(-4 * L2_BYTES // nbytes))
+            in_out = [torch.randn(fan_in, fan_out, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            out_in = [w.t().contiguous() for w in in_out]
+            for m in (1, 8):
+                x = torch.randn(m, fan_in, device=device, dtype=torch.bfloat16)
+                row = {"shape": shape, "product": name, "rows": m, "mb": nbytes / 1e6}
+                for label, op, weights in (("in_out", torch.matmul, in_out), ("out_in", F.linear, out_in)):
+                    ms = graph_ms([partial(op, x, weights[i % copies]) for i in range(2 * copies)])
+                    row[f"gbps_{label}"] = round(nbytes / ms / 1e6)
+                rows.append(row)
+            del in_out, out_in
+    return rows
+
+
+def attention(device: torch.device) -> list[dict]:
+    rows = []
+    heads, kv_heads, dim, block = 24, 8, 128, 16
+    for context in (512, 4096, 32768):
+        blocks = context // block + 8
+        k_cache = torch.randn(blocks, block, kv_heads, dim, device=device, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(blocks, device=device)[None, :]
+        for new in (1, 6):
+            q = torch.randn(new, heads, dim, device=device, dtype=torch.bfloat16)
+            seq_lens = torch.tensor([context], device=device)
+            starts = torch.tensor([0, new], device=device)
+            positions = torch.arange(context - new, context, device=device)
+            for splits in (1, None):
+                args = (q, k_cache, v_cache, table, seq_lens, starts, positions, new, dim ** -0.5, splits)
+                ms = graph_ms([lambda args=args: triton_paged_attention(*args)] * 10)
+                rows.append({"context": context, "new_tokens": new, "splits": splits or "auto", "us": ms * 1000})
+    return rows
+
+
+def graph_kernel_cost(device: torch.device) -> dict:
+    x = torch.zeros(16, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        x.add_(1)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(300):
+            x.add_(1)
+    return {"us_per_tiny_kernel_in_a_graph": median_ms(graph.replay) * 1000 / 300}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_kernel_bench_out")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    report = {"device": torch.cuda.get_device_name(device), **graph_kernel_cost(device),
+              "attention": attention(device), "products": products(device)}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_kernel_bench.json").write_text(json.dumps(report, indent=1))
+    print(f"{report['device']}: {report['us_per_tiny_kernel_in_a_graph']:.2f} us per tiny kernel in a graph")
+    for row in report["attention"]:
+        print(f"attention ctx {row['context']:>6} new {row['new_tokens']} splits {row['splits']!s:>4}: "
+              f"{row['us']:.1f} us")
+    for row in report["products"]:
+        print(f"{row['shape']} {row['product']:<8} rows {row['rows']}: [in,out] {row['gbps_in_out']:5d} GB/s  "
+              f"[out,in] {row['gbps_out_in']:5d} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""CUDA graphs for the passes that repeat every round: decode steps, draft steps and verify passes.
+
+A small model's pass on a GPU is a few hundred short kernels; launched one by one from Python it
+costs more in launches than in the kernels (the draft's cost ratio c then tends to 1). A graph
+captured once replays all of them in one launch. Terms:
+- a *uniform pass*: every sequence feeds the same number q of new tokens and wants logits for all
+  of them (a decode or draft step: q = 1; a verify pass: q = K + 1). Only these are replayed;
+  prefill and ragged passes run eagerly.
+- a *bucket*: the batch sizes a graph is captured at (1, 2, 4, 8, then multiples of 8). A batch
+  of n sequences replays the graph of the smallest bucket >= n; its other rows are *padding*:
+  they feed token 0 at positions 0..q-1 of a block the cache reserved for them (reserve_block),
+  so they write and read keys no sequence owns.
+Graphs are captured on first use of a (bucket, q), after one eager warm-up that compiles the
+Triton kernels. What changes between replays (token ids, positions, slots, block tables,
+lengths) is copied into the graph's input tensors; attention reads lengths from those tensors
+(model.triton_attention), so one graph serves every context length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kv_cache import PagedKVCache
+from specdec.model.batch import ForwardBatch
+
+MAX_GRAPH_QUERY_LEN = 16  # the longest q replayed (K + 1 of a verify pass); longer passes run eagerly
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to and including max_batch's bucket."""
+    sizes = [1, 2, 4, 8]
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] + 8)
+    return [s for s in sizes if s < max_batch] + [next(s for s in sizes if s >= max_batch)]
+
+
+@dataclass
+class _Captured:
+    batch: ForwardBatch  # the graph's input tensors, as a batch the model reads
+    logits: torch.Tensor  # [bucket * q, vocab]: the graph's output
+    graph: object  # torch.cuda.CUDAGraph, or None where replay runs the pass eagerly (tests on a CPU)
+
+
+class GraphedPasses:
+    """Model.forward through CUDA graphs for uniform passes (module docstring), eager otherwise.
+    capture=False replays by running the captured batch eagerly: the same input tensors and
+    padding, testable on a CPU."""
+
+    def __init__(self, model, cache: PagedKVCache, max_batch: int, capture: bool = True):
+        self.model = model
+        self.cache = cache
+        self.buckets = bucket_sizes(max_batch)
+        self.capture = capture
+        self.scratch_block = cache.reserve_block()
+        self.table_width = min(cache.allocator.num_blocks,
+                               -(-model.config.max_position_embeddings // cache.block_size))
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._captured: dict[tuple[int, int], _Captured] = {}
+        self.replays = 0
+
+    def replayable(self, batch: ForwardBatch) -> bool:
+        return (batch.uniform_query_len and batch.all_logits and batch.max_query_len <= MAX_GRAPH_QUERY_LEN
+                and batch.max_query_len <= self.cache.block_size
+                and batch.block_tables.shape[0] <= self.buckets[-1]
+                and batch.block_tables.shape[1] <= self.table_width
+                and batch.context_len <= self.model.rotary.cos.shape[0])
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Model.forward(batch, cache): float32 logits [T, vocab] (a tensor of its own)."""
+        if not self.replayable(batch):
+            return self.model.forward(batch, self.cache)
+        num_seqs, q = batch.block_tables.shape[0], batch.max_query_len
+        bucket = next(b for b in self.buckets if b >= num_seqs)
+        captured = self._captured.get((bucket, q)) or self._capture(bucket, q)
+        self._load(captured.batch, batch, num_seqs, q)
+        if captured.graph is None:
+            logits = self.model.forward(captured.batch, self.cache)
+        else:
+            captured.graph.replay()
+            logits = captured.logits
+        self.replays += 1
+        return logits[:num_seqs * q].clone()  # the next replay overwrites the graph's output
+
+    def _load(self, static: ForwardBatch, batch: ForwardBatch, num_seqs: int, q: int) -> None:
+        """Copy the pass into the graph's inputs; rows past num_seqs become padding."""
+        tokens, width = num_seqs * q, batch.block_tables.shape[1]
+        for name in ("input_ids", "positions", "slots"):
+            getattr(static, name)[:tokens].copy_(getattr(batch, name))
+        static.block_tables[:num_seqs, :width].copy_(batch.block_tables)
+        static.seq_lens[:num_seqs].copy_(batch.seq_lens)
+        if num_seqs < static.seq_lens.shape[0]:
+            self._pad(static, num_seqs, q)
+
+    def _pad(self, static: ForwardBatch, first: int, q: int) -> None:
+        in_block = torch.arange(q, device=static.slots.device).repeat(static.seq_lens.shape[0] - first)
+        static.input_ids[first * q:].zero_()
+        static.positions[first * q:].copy_(in_block)
+        static.slots[first * q:].copy_(in_block + self.scratch_block * self.cache.block_size)
+        static.block_tables[first:, 0].fill_(self.scratch_block)
+        static.seq_lens[first:].fill_(q)
+
+    def _capture(self, bucket: int, q: int) -> _Captured:
+        device = self.model.device
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=torch.long, device=device)
+
+        static = ForwardBatch(
+            input_ids=zeros(bucket * q), positions=zeros(bucket * q), slots=zeros(bucket * q),
+            block_tables=zeros(bucket, self.table_width), kv_start=None, token_index=None,
+            token_rows=None, token_seqs=None, query_positions=None, logits_indices=None,
+            seq_lens=zeros(bucket), query_start=torch.arange(bucket + 1, device=device) * q, max_query_len=q,
+            uniform_query_len=True, all_logits=True, block_size=self.cache.block_size, context_len=q)
+        self._pad(static, 0, q)
+        graph = None
+        if self.capture:
+            # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.model.forward(static, self.cache)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self.model.forward(static, self.cache)
+        else:
+            logits = None
+        captured = _Captured(static, logits, graph)
+        self._captured[(bucket, q)] = captured
+        return captured
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._captured)

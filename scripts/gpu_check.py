@@ -6,19 +6,25 @@ Needs only torch and transformers: run it from the checkout, no install, no Ray,
     PYTHONPATH=. python scripts/gpu_check.py --out /tmp/gpu        # on a GPU (under 8 minutes)
     PYTHONPATH=. python scripts/gpu_check.py --device cpu --quick  # the same checks here (CI)
 
-It writes <out>/gpu_check.json and <out>/gpu_check.md:
-- parity: our logits against Hugging Face's, float32 and bfloat16, on a random Llama checkpoint;
-- exactness: speculative greedy == the target's own greedy (float32), and a mixed sampled batch
-  (top_k 0 / 5 / 50, top_p) with overlapped drafting on, run through the real scheduler;
-- memory: the peak of a prompt at the context limit (chunked prefill); the KV cache the target
-  shape takes at kv_memory_fraction 0.5, and whether its largest pass at the longest context then
-  stays within the measured headroom;
-- host syncs: .item / .tolist / .cpu / bool() per scheduler round, counted;
+It writes <out>/gpu_check.json and <out>/gpu_check.md, section by section (a section that fails
+records its error and the rest still run; a run cut short keeps what it measured):
+- smoke: the GPU pieces one by one (fused ops, Triton's attention, a captured graph); a piece that
+  fails is turned off for the sections after it;
+- fused ops: each Triton kernel of model.triton_ops against torch's ops, bit for bit;
+- parity: our logits against Hugging Face's, float32 and bfloat16 (and bfloat16's own error: HF's
+  bfloat16 against its float32), and Triton's path against torch's on the same model;
+- exactness: speculative greedy == the target's own greedy (float32 and bfloat16), with CUDA
+  graphs and without; a mixed sampled batch (top_k 0 / 5 / 50, top_p) with overlapped drafting,
+  reproduced from its seeds; host syncs (.item / .tolist / .cpu / bool()) per round, counted;
+- graphs: a replayed pass against the same pass run eagerly, at a padded bucket;
 - timings on random-weight models of the reference pair's shapes (Llama-3.2-1B drafting for 3B,
-  bfloat16; tiny shapes in --quick): a plain step against the memory floor (weight bytes / the
-  measured copy bandwidth), the draft step's cost ratio c, a 6-token verify pass against a step,
-  the speedup those predict at acceptance 0.6 and 0.8, and the shipped pair's measured speedup.
-CUDA graphs are not captured yet: the report says so rather than pretend.
+  bfloat16; tiny shapes in --quick), eager and replayed from graphs: a plain step against the
+  memory floor (weight bytes / the measured copy bandwidth), the draft step's cost ratio c, a
+  6-token verify pass against a step, the speedups those predict at acceptance 0.6 and 0.8, the
+  kernels of a step (profiler), the KV cache at kv_memory_fraction 0.5 and whether its largest
+  pass stays within the measured headroom;
+- long prompt: 131071 tokens (Llama-3.2's context) through the runner on the 3B shape: time, peak;
+- shipped: the shipped pair's measured speedup (float32).
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ one attention mask per pass, K/V written straight into cache blocks, and logits 
 the positions the caller asks for. Each eager op costs ~10-30 us of framework time on a small CPU,
 so op count matters as much as FLOPs for the draft model. On CPU in float32 every pass runs in
 specdec's C kernels instead (model.kernel_forward): fewer calls, and a fixed order of arithmetic
-that gives a token the same logits in any pass (batch-invariant). This torch path serves GPUs,
-other dtypes and machines without a C compiler.
+that gives a token the same logits in any pass (batch-invariant). On CUDA with Triton a pass runs
+in model.gpu_forward (four Triton kernels per layer around the products), or for Qwen3's per-head
+norms this torch path with Triton's attention; the torch path with torch's attention serves
+other dtypes on the CPU and machines without a C compiler.
 """
 from __future__ import annotations
 

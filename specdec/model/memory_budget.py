@@ -7,7 +7,8 @@ Terms (bytes):
   weights   the worker's weight tensors
   headroom  the activation peak of the largest pass the worker runs, measured: a prefill chunk
             (prefill_chunk_tokens new tokens, the most a pass takes) at two contexts, 0 and one
-            chunk, extrapolated linearly to the longest context (attention's scores grow with it)
+            chunk, extrapolated linearly to the longest context (torch's attention path keeps
+            scores that grow with it; Triton's, on a GPU, keeps none: the slope is then ~0)
   blocks  = min(share * total - weights, free) - headroom, in blocks of bytes_per_block
 
 A verify or decode pass of B * (K + 1) <= prefill_chunk_tokens tokens needs less than the chunk.

@@ -17,6 +17,7 @@ records its error and the rest still run; a run cut short keeps what it measured
   graphs and without; a mixed sampled batch (top_k 0 / 5 / 50, top_p) with overlapped drafting,
   reproduced from its seeds; host syncs (.item / .tolist / .cpu / bool()) per round, counted;
 - graphs: a replayed pass against the same pass run eagerly, at a padded bucket;
+- families: Qwen2 (biases) and Qwen3 (per-head q/k norms) against Hugging Face, replay vs eager;
 - timings on random-weight models of the reference pair's shapes (Llama-3.2-1B drafting for 3B,
   bfloat16; tiny shapes in --quick), eager and replayed from graphs: a plain step against the
   memory floor (weight bytes / the measured copy bandwidth), the draft step's cost ratio c, a
@@ -370,13 +371,13 @@ def exactness(device: str, tmp: Path) -> dict:
     return report
 
 
-def graph_replay(dev: torch.device, tmp: Path) -> dict:
+def graph_replay(dev: torch.device, checkpoint: Path) -> dict:
     """A replayed pass against the same pass run eagerly, at a padded bucket, decode and verify."""
     if dev.type != "cuda":
-        return {"cuda_graphs": "not captured: CUDA only (tests/test_cuda_graphs.py checks the padding on the CPU)"}
+        return {"cuda_graphs": "not captured: CUDA only (tests/test_triton_kernels.py checks the padding on the CPU)"}
     report = {}
     for dtype in ("float32", "bfloat16"):
-        model = load_model(tmp / "target", device=str(dev), dtype=dtype)
+        model = load_model(checkpoint, device=str(dev), dtype=dtype)
         caches = [model.new_kv_cache(num_blocks=64, block_size=16) for _ in range(2)]
         graphs = GraphedPasses(model, caches[1], max_batch=8)
         caches[0].reserve_block()  # both caches hand out the same blocks
@@ -395,6 +396,33 @@ def graph_replay(dev: torch.device, tmp: Path) -> dict:
                 worst = max(worst, float((eager - replayed).abs().max()))
         report[f"graph_replay_vs_eager_{dtype}_max_abs"] = worst
         report[f"graphs_captured_{dtype}"] = graphs.num_graphs
+    return report
+
+
+def families(dev: torch.device, tmp: Path) -> dict:
+    """Qwen2 (q/k/v biases: the fused path) and Qwen3 (per-head q/k norms: torch's ops with
+    Triton's attention) on the device: logits against Hugging Face's (float32), replay vs eager."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    report = {}
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(4))
+    for name, config, model_class in (("qwen2", Qwen2Config(**shape), Qwen2ForCausalLM),
+                                      ("qwen3", Qwen3Config(**shape, head_dim=32), Qwen3ForCausalLM)):
+        torch.manual_seed(0)
+        model_class(config).eval().save_pretrained(tmp / name)
+        ours = load_model(tmp / name, device=str(dev), dtype="float32")
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(tmp / name).to(dev).eval()(ids.to(dev)).logits[0].float()
+        cache = ours.new_kv_cache(num_blocks=8, block_size=16)
+        cache.add_sequence("a")
+        got = ours.forward(prepare_forward(cache, ["a"], [ids[0].tolist()], [40]), cache)
+        report[f"{name}_parity_float32_max_abs"] = float((got - want).abs().max())
+        report[f"{name}_path"] = ("C kernels" if ours.kernels is not None else "fused kernels"
+                                  if ours.fused_ops and ours.weights.layers[0].qk_norm is None
+                                  else f"torch ops, {ours.attention} attention")
+        report.update({f"{name}_{key}": value for key, value in graph_replay(dev, tmp / name).items()})
     return report
 
 
@@ -446,8 +474,8 @@ def checks(device: str, quick: bool, out: Path) -> dict:
     tmp = Path(tempfile.mkdtemp())
     tiny_pair(tmp)
     sections = [("smoke", lambda: smoke(dev, tmp)), ("fused_ops", lambda: fused_ops(dev)),
-                ("parity", lambda: parity(dev, tmp)),
-                ("exactness", lambda: exactness(device, tmp)), ("graphs", lambda: graph_replay(dev, tmp)),
+                ("parity", lambda: parity(dev, tmp)), ("exactness", lambda: exactness(device, tmp)),
+                ("graphs", lambda: graph_replay(dev, tmp / "target")), ("families", lambda: families(dev, tmp)),
                 ("timings", lambda: timings(dev, quick)), ("long_prompt", lambda: long_prompt(dev, quick)),
                 ("shipped", lambda: shipped_pair(device, quick))]
     for name, section in sections:

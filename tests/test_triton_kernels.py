@@ -15,7 +15,7 @@ from specdec.model.cuda_graphs import GraphedPasses, bucket_sizes  # noqa: E402
 from specdec.model.triton_attention import attention_splits, triton_paged_attention  # noqa: E402
 from specdec.model.triton_ops import add_rms_norm, rope_and_cache, silu_mul  # noqa: E402
 
-from checkpoints import CONFIGS, build_checkpoint  # noqa: E402
+from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the output's largest value
 
@@ -120,12 +120,19 @@ def passes(model, cache, run):
     return out
 
 
-def test_a_pass_on_the_gpu_kernels_matches_the_torch_path(checkpoint, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen2_untied", "qwen3_tied"])
+def test_a_pass_on_the_gpu_kernels_matches_the_torch_path(family, checkpoint, tmp_path, monkeypatch):
+    """Llama and Qwen2 (q/k/v biases) on the fused kernels; Qwen3 (per-head q/k norms) on torch's
+    ops with Triton's attention."""
+    if family != "llama":
+        settings = dict(FAMILY_CONFIGS[family])
+        checkpoint = build_checkpoint(tmp_path, seed=0, family=settings.pop("family"), **settings)
     monkeypatch.setenv("SPECDEC_ATTENTION", "torch")
     reference = load_model(checkpoint, cpu_kernels=False)
     monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
     model = load_model(checkpoint, cpu_kernels=False)
     assert model.attention == "triton" and model.fused_ops
+    assert (model.weights.layers[0].qk_norm is not None) == (family == "qwen3_tied")
     caches = [m.new_kv_cache(num_blocks=24, block_size=8) for m in (reference, model)]
     want = passes(reference, caches[0], lambda *a: reference.forward(prepare_forward(caches[0], *a), caches[0]))
     got = passes(model, caches[1], lambda *a: model.forward(prepare_forward(caches[1], *a), caches[1]))

@@ -52,8 +52,9 @@ from specdec.model import load_model  # noqa: E402
 from specdec.model.batch import prepare_forward  # noqa: E402
 from specdec.model.config import ModelConfig  # noqa: E402
 from specdec.model.cuda_graphs import GraphedPasses  # noqa: E402
-from specdec.model.decoder import CPU_HALF_PRECISION_ENV, Model  # noqa: E402
+from specdec.model.decoder import CPU_HALF_PRECISION_ENV, Model, rms_norm  # noqa: E402
 from specdec.model.memory_budget import CudaMemory, accelerator_num_blocks, activation_headroom  # noqa: E402
+from specdec.model.rope import RotaryTable  # noqa: E402
 from specdec.model.runner import ModelRunner  # noqa: E402
 from specdec.model.weights import build_weights  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
@@ -284,7 +285,7 @@ def fused_ops(dev: torch.device) -> dict:
     stream = x.clone()
     h = add_rms_norm(stream, delta, weight, 1e-5)
     summed = x + delta
-    want = weight * torch.nn.functional.rms_norm(summed.float(), (width,), None, 1e-5).to(bf16)
+    want = rms_norm(summed, weight, 1e-5)  # the torch path's norm
     report["fused_residual_add_bits_equal"] = torch.equal(stream, summed)
     report["fused_rms_norm_max_abs"] = float((h.float() - want.float()).abs().max())
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim)
@@ -295,8 +296,7 @@ def fused_ops(dev: torch.device) -> dict:
     k_cache, v_cache = (torch.zeros(8, 16, kv_heads, dim, dtype=bf16, device=dev) for _ in range(2))
     q = rope_and_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
     split = qkv.view(tokens, heads + 2 * kv_heads, dim)
-    rotated = split * cos[positions][:, None] + torch.cat([-split[..., dim // 2:], split[..., :dim // 2]], -1) * \
-        sin[positions][:, None]
+    rotated = RotaryTable.apply(split, cos[positions][:, None], sin[positions][:, None])  # the torch path's
     keys, values = (cache.view(-1, kv_heads, dim)[slots] for cache in (k_cache, v_cache))
     report["fused_rope_bits_equal"] = (torch.equal(q, rotated[:, :heads])
                                        and torch.equal(keys, rotated[:, heads:-kv_heads])
@@ -419,8 +419,7 @@ def families(dev: torch.device, tmp: Path) -> dict:
         cache.add_sequence("a")
         got = ours.forward(prepare_forward(cache, ["a"], [ids[0].tolist()], [40]), cache)
         report[f"{name}_parity_float32_max_abs"] = float((got - want).abs().max())
-        report[f"{name}_path"] = ("C kernels" if ours.kernels is not None else "fused kernels"
-                                  if ours.fused_ops and ours.weights.layers[0].qk_norm is None
+        report[f"{name}_path"] = ("C kernels" if ours.kernels is not None else "fused kernels" if ours.fused_ops
                                   else f"torch ops, {ours.attention} attention")
         report.update({f"{name}_{key}": value for key, value in graph_replay(dev, tmp / name).items()})
     return report

@@ -144,8 +144,8 @@ class PagedKVCache:
                 raise AssertionError(f"sequence {seq_id!r} holds {len(table)} blocks "
                                      f"for {self._lengths[seq_id]} tokens")
 
-    def block_tables_tensor(self, seq_ids: list[str]) -> torch.Tensor:
-        """[B, max_blocks] padded with block 0 (padding is masked out by context length)."""
+    def padded_block_tables(self, seq_ids: list[str]) -> list[list[int]]:
+        """[B][max_blocks] padded with block 0 (padding is masked out by context length): plain
+        ints, which a pass copies to the device with its other indices (model.batch)."""
         width = max(1, max(len(self._tables[s]) for s in seq_ids))
-        rows = [self._tables[s] + [0] * (width - len(self._tables[s])) for s in seq_ids]
-        return torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        return [self._tables[s] + [0] * (width - len(self._tables[s])) for s in seq_ids]

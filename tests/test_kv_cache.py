@@ -148,13 +148,12 @@ def test_add_sequence_twice_raises():
         c.add_sequence("a")
 
 
-def test_block_tables_tensor_pads_with_zero():
+def test_block_tables_are_padded_with_zero():
     c = _cache()
     for s, n in (("a", 9), ("b", 1), ("e", 0)):
         c.add_sequence(s)
         c.append_slots(s, n)
-    t = c.block_tables_tensor(["a", "b", "e"])
-    assert t.tolist() == [[0, 1, 2], [3, 0, 0], [0, 0, 0]]
+    assert c.padded_block_tables(["a", "b", "e"]) == [[0, 1, 2], [3, 0, 0], [0, 0, 0]]
 
 
 def test_check_accounting_detects_corruption():

@@ -77,21 +77,20 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         token_seqs += [len(token_index) - 1] * len(toks)
 
     seq_lens = [cache.length(s) for s in seq_ids]
-    tables = [cache.block_table(s) for s in seq_ids]
-    width = max(1, max(map(len, tables)))  # block tables padded with block 0 (hidden by the lengths)
+    tables = cache.padded_block_tables(seq_ids)
     parts = [input_ids, positions, slots, token_rows, token_seqs, logits_indices, seq_lens,
              [0, *accumulate(query_lens)], [i for row in token_index for i in row],
-             [p for row in query_positions for p in row], [b for t in tables for b in t + [0] * (width - len(t))]]
+             [p for row in query_positions for p in row], [b for row in tables for b in row]]
     # Every index of the pass crosses to the device in one copy (on a GPU each copy is a
     # blocking transfer of its own), then splits into views.
     host = torch.tensor([v for part in parts for v in part], dtype=torch.long)  # host: copied once below
     (input_ids_t, positions_t, slots_t, token_rows_t, token_seqs_t, logits_indices_t, seq_lens_t, query_start_t,
      token_index_t, query_positions_t, tables_t) = host.to(device).split([len(part) for part in parts])
-    block_tables = tables_t.view(len(seq_ids), width)
+    block_tables = tables_t.view(len(seq_ids), len(tables[0]))
     block_size = cache.block_size
     kv_start = None
     if len(seq_ids) == 1:
-        table = tables[0]
+        table = cache.block_table(seq_ids[0])
         if table == list(range(table[0], table[0] + len(table))):
             kv_start = table[0] * block_size
     return ForwardBatch(

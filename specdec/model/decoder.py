@@ -100,9 +100,11 @@ class Model:
         self._q_size = config.num_attention_heads * config.head_dim
         self._kv_size = config.num_key_value_heads * config.head_dim
         self.attention = attention_backend(self.device)
-        self.fused_ops = False  # whole passes in model.gpu_forward's kernels
-        if self.attention == "triton":  # (Triton is imported only by a model that runs its kernels)
-            from specdec.model import triton_ops
+        # Whole passes in model.gpu_forward's kernels: with Triton's attention, for layers without
+        # per-head q/k norms (Qwen3's run this module's torch path with Triton's attention).
+        self.fused_ops = False
+        if self.attention == "triton" and weights.layers[0].qk_norm is None:
+            from specdec.model import triton_ops  # (Triton is imported only by a model that runs it)
             self.fused_ops = triton_ops.fused_ops_fit(config.head_dim)
 
     @property
@@ -129,7 +131,7 @@ class Model:
             raise ValueError(f"positions beyond the model's {self.rotary.cos.shape[0]}")
         if self.quantized:  # only the kernels multiply by codes
             raise ValueError("weights held as codes run in specdec's C kernels only")
-        if self.fused_ops and self.weights.layers[0].qk_norm is None:
+        if self.fused_ops:
             from specdec.model.gpu_forward import gpu_forward
             return gpu_forward(self, batch, cache)
         c = self.config

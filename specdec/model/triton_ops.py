@@ -31,6 +31,7 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, h_ptr, width, eps, HAS_DE
     h = normed.to(h_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(h_ptr + row * width + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
+
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -63,6 +64,7 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_pt
     v_row = v_cache_ptr + (slot * HKV + heads - H - HKV) * D
     tl.store(v_row + cols, lo.to(dtype), mask=is_v)
     tl.store(v_row + half + cols, hi.to(dtype), mask=is_v)
+
 
 @triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):

@@ -36,16 +36,20 @@ class Machine:
         return self.slow * (self.call + self.step * shape.steps + self.token * shape.catch_up)
 
 
-def run_round(policy: SpeculationPolicy, machine: Machine, requests: list[PolicyRequest], accepts) -> list[int]:
-    """choose, then observe the round as `machine` prices it; accepts(req_id, k) -> accepted."""
+def run_round(policy: SpeculationPolicy, machine: Machine, requests: list[PolicyRequest], accepts,
+              proposes=None) -> list[int]:
+    """choose, then observe the round as `machine` prices it; accepts(req_id, k) -> accepted of
+    the tokens proposed, proposes(req_id, k) -> how many of the k asked the drafter proposed (all
+    by default; fewer as an n-gram lookup that finds nothing)."""
     ks = policy.choose(requests)
-    updates = []
+    updates, fed = [], []
     for r, k in zip(requests, ks):
-        accepted = accepts(r.req_id, k) if k else 0
-        updates.append(RequestUpdate(r.req_id, [1] * (accepted + 1), "", num_speculative_tokens=k, proposed=k,
-                                     accepted=accepted))
-    shape = RoundShape(fed=sum(k + 1 for k in ks), sampled=sum(k + 1 for r, k in zip(requests, ks)
-                                                               if k and not r.greedy),
+        proposed = proposes(r.req_id, k) if k and proposes is not None else k
+        accepted = min(accepts(r.req_id, proposed), proposed) if proposed else 0
+        updates.append(RequestUpdate(r.req_id, [1] * (accepted + 1), "", num_speculative_tokens=k,
+                                     proposed=proposed, accepted=accepted))
+        fed.append(proposed + 1)
+    shape = RoundShape(fed=sum(fed), sampled=sum(n for r, n in zip(requests, fed) if n > 1 and not r.greedy),
                        steps=max(ks, default=0), proposed=sum(ks),
                        catch_up=sum(r.backlog for r, k in zip(requests, ks) if k))
     report = RoundReport(updates=updates, ran=True, verify_seconds=machine.verify(shape),
@@ -106,6 +110,28 @@ def test_costs_follow_a_machine_that_slows_down_within_a_few_memories(monkeypatc
     assert price_after_slowdown() < 0.9
 
 
+def test_the_fit_gathers_rounds_of_the_same_shape_and_solves_the_faded_least_squares():
+    """Runs of same-shaped rounds (a steady batch at K = 0) are folded in at once, and the fit is
+    solved every few rounds: the coefficients are still those of the faded least squares of
+    every round (numpy's, over the same rounds), spikes aside."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    costs = RoundCosts(max_fed=48, max_steps=5)
+    shapes = [RoundShape(1, 0, 0, 0, 0)] * 30 + [RoundShape(8, 0, 0, 0, 0)] * 20 + [RoundShape(3, 3, 0, 0, 0)] * 5
+    shapes += [shapes[i] for i in rng.integers(0, len(shapes), 60)]
+    seconds = [STEP * (1.0 + 0.05 * s.fed + 0.02 * s.sampled) * rng.uniform(0.9, 1.1) for s in shapes]
+    for shape, y in zip(shapes, seconds):
+        costs.observe(shape, y, 0.0, 0.0, prefill=False)
+    costs.coefficients()  # (a solve if one is due)
+    costs.verify._unsolved = round_costs_module._SOLVE_EVERY  # and the rounds since the last one too
+    fade = 1.0 - 1.0 / round_costs_module.COST_MEMORY
+    weights = fade ** np.arange(len(shapes))[::-1]
+    x = np.array([[1.0, s.fed, s.sampled] for s in shapes])
+    expected = np.linalg.lstsq(x * np.sqrt(weights)[:, None], np.array(seconds) * np.sqrt(weights), rcond=None)[0]
+    assert costs.coefficients()[:3] == pytest.approx(list(expected), rel=1e-3)
+
+
 def test_an_unmeasured_slope_is_optimistic_and_a_prefill_round_does_not_price_verifying():
     costs = RoundCosts(max_fed=48, max_steps=5)
     for _ in range(5):  # only plain rounds so far: more tokens are priced free, so they get tried
@@ -131,56 +157,62 @@ def test_a_drafter_that_is_never_right_ends_at_k_0_and_probes_less_and_less_ofte
     ks = [run_round(policy, machine, [greedy("a")], none_accepted)[0] for _ in range(1000)]
     drafting = [i for i, k in enumerate(ks) if k]
     assert all(k == 0 for k in ks[100:] if k != 1)  # after the start only probes of 1 token
-    late = [i for i in drafting if i >= 300]
-    assert late and all(b - a >= MAX_PROBE_INTERVAL for a, b in zip(late, late[1:]))  # 1 round in 64
-    assert len(drafting) < 40
+    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
+    assert gaps[:8] == sorted(gaps[:8]) and gaps[0] < gaps[7]  # the interval doubles
+    assert min(gaps[-5:]) >= max(gaps[:3])
+    assert len(drafting) < 150
 
 
-def probing_share(machine: Machine, backlog: int, rounds: int = 3000) -> tuple[float, list[int]]:
-    """A drafter that is never right, for `rounds` rounds of one request with this backlog at
-    each probe: the share of the time after the first 300 rounds that probes added, and K per round."""
+def probing_share(machine: Machine, backlog: int, rounds: int = 3000, batch: int = 1) -> tuple[float, list[int]]:
+    """A drafter that is never right, for `rounds` rounds of `batch` requests with this backlog at
+    each probe: the share of the time after the first 300 rounds that probes added, and the K's
+    asked in each round."""
     policy = new_policy()
     ks, extra, total = [], 0.0, 0.0
-    plain = machine.verify(RoundShape(1, 0, 0, 0, 0))
+    requests = [greedy(f"r{i}", backlog=backlog) for i in range(batch)]
+    plain = machine.verify(RoundShape(batch, 0, 0, 0, 0))
     for i in range(rounds):
-        k = run_round(policy, machine, [greedy("a", backlog=backlog)], none_accepted)[0]
-        ks.append(k)
-        shape = RoundShape(k + 1, 0, k, k, backlog if k else 0)
+        round_ks = run_round(policy, machine, requests, none_accepted)
+        ks.append(sum(round_ks))
+        shape = RoundShape(batch + sum(round_ks), 0, max(round_ks), sum(round_ks), backlog * sum(map(bool, round_ks)))
         if i >= 300:
             extra += machine.verify(shape) + machine.draft(shape) - plain
             total += machine.verify(shape) + machine.draft(shape)
     return extra / total, ks
 
 
-def test_a_dear_probe_waits_as_many_rounds_as_it_costs(monkeypatch):
+def test_a_probe_is_spaced_by_its_price_so_probing_costs_the_same_share_of_the_time(monkeypatch):
     """A probe whose catch-up costs 5 plain rounds (a draft as large as the target, a long
-    backlog) is spaced by its price: probing a drafter that never pays then costs about as much
-    of the time as a cheap one's probes (1 round's worth in MAX_PROBE_INTERVAL). Counted in rounds
-    alone, the dear probes cost 7% of the time (measured: 0.3% cheap, 1.6% dear)."""
+    backlog) comes later, a cheap one (0.2 of a round: a small draft, an n-gram lookup) sooner:
+    probing a drafter that never pays costs about 1 round's worth in MAX_PROBE_INTERVAL of the time
+    either way. Counted in rounds alone, the dear probes cost 7% of the time and the cheap ones
+    are probed 5x less often than they could be (measured: 1.6% dear, 1.5% cheap)."""
     cheap, cheap_ks = probing_share(Machine(), backlog=2)
     dear, dear_ks = probing_share(Machine(token=0.05 * STEP), backlog=100)
     assert all(k in (0, 1) for k in cheap_ks[100:] + dear_ks[100:])  # after the start only probes
     assert dear <= 1.5 / MAX_PROBE_INTERVAL and cheap <= 1.5 / MAX_PROBE_INTERVAL, (cheap, dear)
-    assert sum(cheap_ks[300:]) > 3 * sum(dear_ks[300:]) > 0  # both probed; the cheap one more often
-    monkeypatch.setattr(SpeculationPolicy, "_probe_rounds", lambda self, request, batch: 1.0)
+    assert sum(cheap_ks[300:]) > 20 * sum(dear_ks[300:]) > 0  # both probed; the cheap one far more often
+    monkeypatch.setattr(SpeculationPolicy, "_probe_rounds", lambda self, request, batch, costs: 1.0)
     assert probing_share(Machine(token=0.05 * STEP), backlog=100)[0] > 0.06
+    assert sum(probing_share(Machine(), backlog=2)[1][300:]) < sum(cheap_ks[300:]) / 4
 
 
 def test_k_0_is_not_a_trap_a_drafter_that_turns_good_is_found_within_a_probe_interval(monkeypatch):
-    """MAX_PROBE_INTERVAL: without a bound on the interval, a drafter that was bad for 2000 rounds
-    and then turns good is found only after about as many rounds again."""
-    def rounds_to_find() -> int:
+    """MAX_PROBE_INTERVAL: without a bound on the interval, a drafter that was bad for a thousand
+    rounds or two and then turns good is found only after about as many rounds again."""
+    def rounds_to_find(bad_rounds: int) -> int:
         policy, machine = new_policy(), Machine()
-        for _ in range(2000):
+        for _ in range(bad_rounds):
             run_round(policy, machine, [greedy("a")], none_accepted)
         for i in range(10000):
             if run_round(policy, machine, [greedy("a")], all_accepted)[0] > 1:
                 return i
         return 10000
 
-    assert rounds_to_find() <= MAX_PROBE_INTERVAL + 5
+    histories = (1200, 1600, 2000)  # (where the next probe falls depends on the history's length)
+    assert max(map(rounds_to_find, histories)) <= MAX_PROBE_INTERVAL + 5
     monkeypatch.setattr(policy_module, "MAX_PROBE_INTERVAL", 10**9)
-    assert rounds_to_find() > 4 * MAX_PROBE_INTERVAL
+    assert max(map(rounds_to_find, histories)) > 4 * MAX_PROBE_INTERVAL
 
 
 def test_unseeded_requests_at_k_0_probe_one_at_a_time_taking_turns_the_cheapest_first():
@@ -205,9 +237,9 @@ def test_one_unlucky_round_does_not_end_speculation(monkeypatch):
         run_round(policy, machine, [greedy("b")], none_accepted)  # a new request's first round misses
         return policy.choose([greedy("b")])[0]
 
-    assert k_after_one_miss() > 0
+    assert k_after_one_miss() >= 2  # on merit
     monkeypatch.setattr(policy_module, "PRIOR_WEIGHT", 1e-9)
-    assert k_after_one_miss() == 0
+    assert k_after_one_miss() <= 1  # at most a probe's 1 token
 
 
 def test_a_request_whose_acceptance_drops_midway_follows_it(monkeypatch):
@@ -253,12 +285,48 @@ def test_in_a_batch_the_better_accepted_request_drafts_more():
 
 
 def test_drafts_that_are_never_kept_are_not_chosen_at_batch_8():
-    """After the first rounds only probes draft, one request and one token at a time."""
-    policy, machine = new_policy(), Machine()
-    batch = [greedy(f"r{i}") for i in range(8)]
-    ks = [run_round(policy, machine, batch, none_accepted) for _ in range(300)]
-    assert all(sum(round_ks) <= 1 for round_ks in ks[50:])
-    assert sum(map(sum, ks[50:])) <= 8
+    """After the first rounds only probes draft, one request and one token at a time, at about
+    1 round's worth in MAX_PROBE_INTERVAL of the time."""
+    share, ks = probing_share(Machine(), backlog=2, rounds=1000, batch=8)
+    assert all(k <= 1 for k in ks[50:]) and sum(ks[300:]) > 0
+    assert share <= 1.5 / MAX_PROBE_INTERVAL
+
+
+def test_a_lookup_that_finds_nothing_is_not_a_rejection():
+    """A drafter that finds something to propose in one round of three (an n-gram lookup early in
+    a response), always right when it does, keeps being asked where asking costs a lookup; counted
+    as rejections, its misses would hold alpha near 1/3 and the request near K = 0. Where nothing
+    is ever proposed and a call costs, asking stops (probes aside)."""
+    def ks_of(machine: Machine, found) -> list[int]:
+        policy, rounds = new_policy(), iter(range(10**6))
+        return [run_round(policy, machine, [greedy("a")], all_accepted,
+                          proposes=lambda _r, k: k if found(next(rounds)) else 0)[0] for _ in range(300)]
+
+    lookup = Machine(call=0.01 * STEP, step=0.005 * STEP)
+    sometimes = ks_of(lookup, lambda i: i % 3 == 0)
+    assert min(sometimes[50:]) >= 2
+    never = ks_of(Machine(call=0.3 * STEP), lambda i: False)
+    assert set(never[50:]) == {0, 1} and sum(never[50:]) < 25
+
+
+def test_rounds_that_settle_the_next_ones_choose_as_the_full_choice_would(monkeypatch):
+    """A round where no token could pay even at the estimates' ceilings settles the next rounds
+    without choosing again (K = 0 rounds cost little): the K's are the ones the full choice gives
+    every round, through spells of a bad drafter, probes, a drafter that turns good, new requests
+    and a batch that changes."""
+    def schedule() -> list[list[int]]:
+        policy, machine, out = new_policy(), Machine(), []
+        batches = [[greedy("a", backlog=3)]] * 300 + [[greedy("a", backlog=3), greedy("b")]] * 300
+        batches += [[greedy("b"), greedy("c", backlog=20)]] * 300
+        for i, batch in enumerate(batches):
+            good = 450 <= i < 600
+            out.append(run_round(policy, machine, batch, all_accepted if good else none_accepted))
+        return out
+
+    settled = schedule()
+    monkeypatch.setattr(SpeculationPolicy, "_still_quiet", lambda self, requests: False)
+    assert settled == schedule()
+    assert sum(1 for ks in settled if not any(ks)) > 500 and sum(1 for ks in settled if sum(ks) > 1) > 50
 
 
 # --- seeded requests ----------------------------------------------------------------------------

@@ -20,17 +20,20 @@ fed the target a prompt says nothing about verifying and is left out of the veri
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # Rounds over which a round's timing fades to 1/e of its weight: long enough to average the noise
 # of single rounds (a shared CPU's timings jump by 2x), short enough to follow a machine whose
 # load changes within a request's lifetime.
 COST_MEMORY = 50.0
 _RIDGE = 1e-6  # pull of an unmeasured slope towards 0, in (normalised) rounds: only breaks ties
+# Rounds between solves once a fit has seen as many: a round moves a fit of COST_MEMORY rounds by
+# ~2%, so solving every round (tens of microseconds, as much as a K = 0 round's other policy work)
+# buys nothing.
+_SOLVE_EVERY = 8
 
 
-@dataclass(frozen=True)
-class RoundShape:
+class RoundShape(NamedTuple):
     """The features of a round that its cost depends on (module docstring)."""
 
     fed: int  # T
@@ -43,7 +46,10 @@ class RoundShape:
 class FadingLeastSquares:
     """theta minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |slopes|^2,
     on features x whose first is the constant 1 (the intercept, never pulled). Features are
-    divided by `scales` first, so one ridge suits all."""
+    divided by `scales` first, so one ridge suits all. Consecutive rounds of the same features
+    (a steady batch at K = 0) gather as one weighted round until the features change or theta
+    is read, so a round costs a few multiply-adds; theta is solved when read after each of the
+    first _SOLVE_EVERY rounds, then after every _SOLVE_EVERY."""
 
     def __init__(self, scales: list[float]):
         self.scales = scales
@@ -51,37 +57,77 @@ class FadingLeastSquares:
         self.fade = 1.0 - 1.0 / COST_MEMORY
         self.gram = [[0.0] * size for _ in range(size)]
         self.moment = [0.0] * size
-        self.theta = [0.0] * size
         self.rounds = 0.0  # the faded count of rounds seen
+        self._theta = [0.0] * size
+        self._per_unit = [0.0] * size
+        self._fitted = False  # _theta comes from rounds (not the zeros it starts as)
+        self._unsolved = 0  # rounds added since _theta was solved
+        self._added = 0
+        # The run of rounds with the same features not yet in gram and moment: their features
+        # (unscaled, scaled), count, faded weight and faded sum of seconds, and the most a round
+        # counts for (twice the last solve's prediction: on a shared CPU one round in fifty
+        # stalls for 10-100x its time, and such spikes would set the slopes).
+        self._run: tuple = ()
+        self._run_x: list[float] = []
+        self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
+        self._run_cap = float("inf")
 
-    def add(self, x: list[float], y: float) -> None:
-        x = [v / s for v, s in zip(x, self.scales)]
-        if self.gram[0][0] > 0:  # a round at most twice the prediction: spikes move it little
-            y = min(y, 2.0 * max(sum(t * v for t, v in zip(self.theta, x)), 1e-6))
-        fade, size = self.fade, len(x)
-        for i in range(size):
-            row = self.gram[i]
-            for j in range(size):
-                row[j] = fade * row[j] + x[i] * x[j]
-            self.moment[i] = fade * self.moment[i] + x[i] * y
+    def solve_due(self) -> bool:
+        return bool(self._unsolved) and (self._unsolved >= _SOLVE_EVERY or self._added <= _SOLVE_EVERY)
+
+    def per_unit(self) -> list[float]:
+        """theta in seconds per unit of each (unscaled) feature; below 0 counted as 0 (a measured
+        slope below 0 is noise, never a saving)."""
+        if self.solve_due():
+            self._unsolved = 0
+            self._flush()
+            self._theta = _solve(self.gram, self.moment, _RIDGE)
+            self._per_unit = [max(t, 0.0) / s for t, s in zip(self._theta, self.scales)]
+            self._fitted = True
+            self._set_cap()
+        return self._per_unit
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        """A round of features x (unscaled) that took y seconds."""
+        if x != self._run:
+            self._flush()
+            self._run, self._run_x = x, [v / s for v, s in zip(x, self.scales)]
+            self._set_cap()
+        fade = self.fade
+        self._run_rounds += 1
+        self._run_weight = fade * self._run_weight + 1.0
+        self._run_seconds = fade * self._run_seconds + min(y, self._run_cap)
         self.rounds = fade * self.rounds + 1.0
-        self._refit()
+        self._unsolved += 1
+        self._added += 1
+
+    def _flush(self) -> None:
+        """The run into gram and moment: m rounds of features x add sum_r fade^(m-r) x x^T."""
+        if not self._run_rounds:
+            return
+        decay, x, weight, seconds = self.fade ** self._run_rounds, self._run_x, self._run_weight, self._run_seconds
+        self.gram = [[decay * g + weight * xi * xj for g, xj in zip(row, x)] for row, xi in zip(self.gram, x)]
+        self.moment = [decay * m + seconds * xi for m, xi in zip(self.moment, x)]
+        self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
+
+    def _set_cap(self) -> None:
+        if self._fitted and self._run_x:
+            self._run_cap = 2.0 * max(sum(t * v for t, v in zip(self._theta, self._run_x)), 1e-6)
 
     def fade_out(self) -> None:
         """A round without an observation: the fit stands, but its count of rounds fades, so a fit
         that rounds no longer exercise (no draft calls) comes to count as unmeasured."""
         self.rounds *= self.fade
 
-    def _refit(self) -> None:
-        self.theta = _solve([[g + (_RIDGE if i == j and i else 0.0) for j, g in enumerate(row)]
-                             for i, row in enumerate(self.gram)], self.moment)
 
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """a x = b by Gaussian elimination with partial pivoting (a few unknowns: plain Python is
-    faster than numpy's call overhead); unknowns without data (a zero pivot) are 0."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+def _solve(gram: list[list[float]], moment: list[float], ridge: float) -> list[float]:
+    """(gram + ridge on the diagonal but its first entry) x = moment by Gaussian elimination with
+    partial pivoting (a few unknowns: plain Python is faster than numpy's call overhead);
+    unknowns without data (a zero pivot) are 0."""
+    n = len(moment)
+    m = [row + [b] for row, b in zip(gram, moment)]
+    for i in range(1, n):
+        m[i][i] += ridge
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
@@ -115,29 +161,30 @@ class RoundCosts:
         return self.verify.rounds
 
     def round_seconds(self, shape: RoundShape) -> float:
-        """Predicted seconds of a round of this shape (coefficients below 0 count as 0: a measured
-        slope is noise there, never a saving)."""
+        """Predicted seconds of a round of this shape."""
         v0, v1, v2, d0, d1, d2, d3, overhead = self.coefficients()
         seconds = v0 + v1 * shape.fed + v2 * shape.sampled + overhead
         if shape.steps or shape.catch_up:
             seconds += d0 + d1 * shape.steps + d2 * shape.proposed + d3 * shape.catch_up
         return seconds
 
+    def solve_due(self) -> bool:
+        """Whether coefficients() would solve a fit again (they change little in between)."""
+        return self.verify.solve_due() or self.draft.solve_due()
+
     def coefficients(self) -> tuple[float, ...]:
         """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature: for a caller
         that prices many shapes of one round (the policy's choice); a draft call's terms apply only
         where it drafts."""
-        verify = [max(t, 0.0) / s for t, s in zip(self.verify.theta, self.verify.scales)]
-        draft = [max(t, 0.0) / s for t, s in zip(self.draft.theta, self.draft.scales)]
-        return (*verify, *draft, self.overhead)
+        return (*self.verify.per_unit(), *self.draft.per_unit(), self.overhead)
 
     def observe(self, shape: RoundShape, verify_seconds: float, draft_seconds: float, overhead_seconds: float,
                 prefill: bool) -> None:
         """Fold in a round that ran: its shape and measured seconds (`prefill`: it fed a prompt)."""
         if not prefill:
-            self.verify.add([1.0, shape.fed, shape.sampled], verify_seconds)
+            self.verify.add((1.0, shape.fed, shape.sampled), verify_seconds)
         if shape.steps or shape.catch_up:
-            self.draft.add([1.0, shape.steps, shape.proposed, shape.catch_up], draft_seconds)
+            self.draft.add((1.0, shape.steps, shape.proposed, shape.catch_up), draft_seconds)
         else:
             self.draft.fade_out()
         fade = 1.0 - 1.0 / COST_MEMORY

@@ -1,39 +1,39 @@
 """How many tokens each running request drafts this round: K from 0 (plain decoding) to its cap.
 
 The model:
-- alpha: a request's acceptance per draft token. A round drafting K commits on average
-  E(alpha, K) = 1 + alpha + ... + alpha^K tokens, so its k-th draft token is worth alpha^k.
-- A request's alpha = (accepted + PRIOR_WEIGHT * prior) / (tested + PRIOR_WEIGHT), tested = the
-  accepted draft tokens plus the first rejected or missing one (asked for but not proposed, as by
-  an n-gram lookup that found nothing), both counts fading by DECAY every round the
-  request takes part in (at K = 0 too: old evidence gives way to the prior). The prior is the
-  pool: the same estimate over every request of the same kind (greedy or sampled), fading by
-  DECAY per PRIOR_WEIGHT tokens tested, starting at INITIAL_ACCEPTANCE; a new request starts
-  from it.
+- alpha: a request's acceptance per proposed draft token; coverage: the share of the tokens asked
+  for that the drafter proposes (1 for a model; an n-gram lookup may find nothing). Its k-th asked
+  token is worth coverage * alpha^k committed tokens, and only a proposed token is verified.
+- alpha = (accepted + PRIOR_WEIGHT * prior) / (tested + PRIOR_WEIGHT), tested = the accepted
+  tokens plus the first rejected one; coverage likewise from proposed / asked. A token asked for
+  but not proposed is no rejection: it cost a lookup, not a verified token. The counts fade by
+  DECAY every round the request takes part in (at K = 0 too: old evidence gives way to the
+  prior). The prior is the pool: the same estimates over all requests of the same kind (greedy or
+  sampled), fading by DECAY per PRIOR_WEIGHT tokens, from INITIAL_ACCEPTANCE and coverage 1.
 - A round's seconds for given K's: RoundCosts, learnt online from the rounds that ran.
-- The choice maximises committed tokens per second, sum E(alpha_i, K_i) / seconds: draft tokens
-  are added in decreasing order of worth and the best prefix wins, i.e. a common threshold on
-  worth (each kept token is worth at least what it costs; draft steps are shared by the batch).
-- Probes keep K = 0 from being a trap: a kind's requests at K = 0 gain no evidence, so once a
-  kind has had no drafting round for its probe interval, one request of that kind drafts 1 token:
-  the one that has gone longest without drafting (the smaller backlog among equals). Its result
-  moves its own estimate and the pool's. The interval starts at 2 rounds and doubles, up to
-  MAX_PROBE_INTERVAL, after each probe that brings no request back, and resets when one drafts on
-  merit; it counts in rounds' worth of the probe's predicted price (a draft call catching up the
-  request's backlog, a step, one more verified token) where that exceeds a plain round, so a dear
-  probe (a draft as large as the target) costs no more of the time than a cheap one. No probe
-  where even acceptance 1 could not pay for drafting (while that price is measured: it fades
-  with rounds that do not draft).
-- Seeded sampled requests: which draws decide a token depends on K, so their K must follow their
-  own history only. Each maximises its own E / reference cost, 1 + K (c + REFERENCE_VERIFY_TOKEN_COST)
-  in target steps, c = draft/target parameter ratio, from the constant prior INITIAL_ACCEPTANCE,
-  and probes on its own clock of rounds; never the pool, the batch, or a timing.
-choose() changes no state (a round that then fails leaves the policy as it was); observe()
+- The choice maximises committed tokens per second over the batch: draft tokens are added in
+  decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
+  bound settles the rounds where no token could pay, and the next ones too while nothing that
+  could change that changes (K = 0 rounds cost little to choose).
+- Probes keep K = 0 from being a trap: requests at K = 0 gain no evidence, so once a kind has had
+  no drafting round for its probe interval, its request longest without drafting (the smaller
+  backlog among equals) drafts 1 token. The interval starts at 2 rounds, doubles up to
+  MAX_PROBE_INTERVAL after each probe that brings no request back, resets when one drafts on
+  merit, and counts in plain rounds' worth of the probe's predicted price (a draft call catching
+  up the backlog, a step, one more verified token): probing takes ~1 / interval of the time
+  whatever a probe costs. No probe while even acceptance 1 could not pay for drafting (a price
+  that fades with rounds that do not draft).
+- Seeded sampled requests: which draws decide a token depends on K, so their K follows their own
+  history only: each maximises its expected tokens / (1 + K (c + REFERENCE_VERIFY_TOKEN_COST)), in
+  target steps, c = draft/target parameter ratio, from the constant priors, and probes on its own
+  clock of rounds; never the pool, the batch, or a timing.
+choose() leaves the estimates as they were (a round that then fails changes nothing); observe()
 records what the round that ran did.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from coordinator.rounds.round_report import RoundReport
 from coordinator.speculation.round_costs import RoundCosts, RoundShape
@@ -41,18 +41,17 @@ from coordinator.speculation.round_costs import RoundCosts, RoundShape
 PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
 DECAY = 0.9  # a request's evidence per round: acceptance shifts within a request (code, then prose)
 INITIAL_ACCEPTANCE = 0.6  # the pool's prior before any evidence, and seeded requests' prior
-MAX_PROBE_INTERVAL = 64  # rounds: probing a drafter that never pays costs about 1 round in this many
+MAX_PROBE_INTERVAL = 64  # probing a drafter that never pays costs ~1 plain round's worth in this many
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests' rule)
 _ALPHA_MAX = 0.999  # keeps E finite
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) for alpha < 1."""
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(alpha: float, k: int, coverage: float = 1.0) -> float:
+    """Tokens a round asking K commits: 1 + coverage (alpha + ... + alpha^K), alpha < 1."""
+    return 1.0 + coverage * alpha * (1.0 - alpha ** k) / (1.0 - alpha)
 
 
-@dataclass(frozen=True)
-class PolicyRequest:
+class PolicyRequest(NamedTuple):
     req_id: str
     cap: int  # the most this request may draft this round (its max, near-end and context limits)
     greedy: bool
@@ -62,21 +61,31 @@ class PolicyRequest:
 
 @dataclass
 class Evidence:
-    """Accepted and tested draft tokens, faded; a probe clock (rounds at 0, the current interval)."""
+    """Accepted and tested, proposed and asked draft tokens, faded; a probe clock (rounds at 0,
+    the current interval)."""
 
     accepted: float = 0.0
     tested: float = 0.0
+    proposed: float = 0.0
+    asked: float = 0.0
     rounds_at_zero: int = 0
     interval: int = 2
 
     def alpha(self, prior: float) -> float:
-        rate = (self.accepted + PRIOR_WEIGHT * prior) / (self.tested + PRIOR_WEIGHT)
-        return min(max(rate, 0.0), _ALPHA_MAX)
+        rate = (self.accepted + PRIOR_WEIGHT * prior) / (self.tested + PRIOR_WEIGHT)  # (<= 1: accepted <= tested)
+        return rate if rate < _ALPHA_MAX else _ALPHA_MAX
 
-    def add(self, accepted: float, tested: float, fade: float | None = None) -> None:
+    def coverage(self, prior: float) -> float:
+        return (self.proposed + PRIOR_WEIGHT * prior) / (self.asked + PRIOR_WEIGHT)  # (<= 1: proposed <= asked)
+
+    def add(self, accepted: float, tested: float, proposed: float, asked: float, fade: float | None = None,
+            coverage_fade: float | None = None) -> None:
         fade = DECAY if fade is None else fade
         self.accepted = fade * self.accepted + accepted
         self.tested = fade * self.tested + tested
+        coverage_fade = fade if coverage_fade is None else coverage_fade
+        self.proposed = coverage_fade * self.proposed + proposed
+        self.asked = coverage_fade * self.asked + asked
 
     def probed(self, brought_back: bool) -> None:
         self.rounds_at_zero = 0
@@ -86,13 +95,17 @@ class Evidence:
         return self.rounds_at_zero + 1 >= self.interval * price_in_rounds
 
 
-@dataclass
-class _Chosen:
-    """What choose() decided for the round about to run, for observe() to record."""
+_NO_EVIDENCE = Evidence()  # (read only) a request's before its first round
 
-    ks: dict[str, int] = field(default_factory=dict)
-    probes: dict[str, bool] = field(default_factory=dict)  # req_id -> greedy, of the unseeded probes
-    seeded_probes: set[str] = field(default_factory=set)
+
+class _Chosen:
+    """The probes choose() chose for the round about to run, for observe() to record."""
+
+    __slots__ = ("probes", "seeded_probes")
+
+    def __init__(self):
+        self.probes: dict[str, bool] = {}  # req_id -> greedy, of the unseeded probes
+        self.seeded_probes: set[str] = set()
 
 
 class SpeculationPolicy:
@@ -102,13 +115,21 @@ class SpeculationPolicy:
         self._own: dict[str, Evidence] = {}
         self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
         self._chosen = _Chosen()
+        self._quiet: list[str] = []  # the requests of a round that settled the next ones (_still_quiet)
+        self._probe_prices = {True: 1.0, False: 1.0}  # by greedy: the last price of a probe, in rounds
 
     # -- estimates ------------------------------------------------------------------------------
-    def alpha(self, request: PolicyRequest) -> float:
-        own = self._own.get(request.req_id) or Evidence()
-        if request.seeded:
-            return own.alpha(INITIAL_ACCEPTANCE)
-        return own.alpha(self._pool[request.greedy].alpha(INITIAL_ACCEPTANCE))
+    def estimates(self, request: PolicyRequest, prior: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(alpha, coverage) of a request: its own evidence over a prior, its kind's pool's
+        estimates (`prior` where the caller has them; seeded requests: the constants)."""
+        if prior is None:
+            prior = (INITIAL_ACCEPTANCE, 1.0) if request.seeded else self._kind_prior(request.greedy)
+        own = self._own.get(request.req_id) or _NO_EVIDENCE
+        return own.alpha(prior[0]), own.coverage(prior[1])
+
+    def _kind_prior(self, greedy: bool) -> tuple[float, float]:
+        pool = self._pool[greedy]
+        return pool.alpha(INITIAL_ACCEPTANCE), pool.coverage(1.0)
 
     def export(self, req_id: str) -> Evidence | None:
         """A request's own history, to carry to another replica's policy (`adopt`)."""
@@ -123,47 +144,62 @@ class SpeculationPolicy:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
         self._chosen = chosen = _Chosen()
-        free = [r for r in requests if not r.seeded and r.cap > 0]
+        if self._quiet and self._still_quiet(requests):
+            return [0] * len(requests)
+        self._quiet = []
         ks = dict.fromkeys((r.req_id for r in requests), 0)
-        ks.update(self._merit(free, [self.alpha(r) for r in free], requests))
-        for greedy in (True, False):
-            kind = [r for r in free if r.greedy == greedy]
-            pool = self._pool[greedy]
-            # Cheapest tests first: a round at K = 0 mostly ends at the interval (a price is >= 1).
-            if kind and not any(ks[r.req_id] for r in kind) and pool.probe_due() and self._worth_probing():
-                probe = max(kind, key=lambda r: (self._rounds_at_zero(r), -r.backlog))
-                if pool.probe_due(self._probe_rounds(probe, len(requests))):
-                    ks[probe.req_id], chosen.probes[probe.req_id] = 1, greedy
+        free = [r for r in requests if r.cap > 0 and not r.seeded]
+        if free:
+            costs = self.costs.coefficients()
+            prior = {greedy: self._kind_prior(greedy) for greedy in {r.greedy for r in free}}
+            estimates = [self.estimates(r, prior[r.greedy]) for r in free]
+            if self.costs.rounds_seen >= 1 and self._cannot_pay(free, estimates, len(requests), costs):
+                # At K = 0 an estimate only moves towards its prior: if tokens could not pay at
+                # the larger of the two either, the next rounds are settled too (_still_quiet).
+                ceilings = [(max(a, prior[r.greedy][0]), max(c, prior[r.greedy][1]))
+                            for r, (a, c) in zip(free, estimates)]
+                if len(free) == len(requests) and self._cannot_pay(free, ceilings, len(requests), costs):
+                    self._quiet = [r.req_id for r in requests]
+            else:
+                ks.update(self._merit(free, estimates, len(requests), costs))
+            for greedy, pool in self._pool.items():
+                kind = [r for r in free if r.greedy == greedy]
+                price = float("inf")  # (no probe of this kind now)
+                if kind and not any(ks[r.req_id] for r in kind) and self._worth_probing(costs):
+                    probe = max(kind, key=lambda r: (self._rounds_at_zero(r), -r.backlog))
+                    price = self._probe_rounds(probe, len(requests), costs)  # (grows with the backlog)
+                    if pool.probe_due(price):
+                        ks[probe.req_id], chosen.probes[probe.req_id] = 1, greedy
+                        self._quiet = []  # (its result moves the estimates)
+                self._probe_prices[greedy] = price
         for r in requests:
             if r.seeded and r.cap > 0:
-                evidence = self._own.get(r.req_id) or Evidence()
-                ks[r.req_id] = self._seeded_choice(evidence.alpha(INITIAL_ACCEPTANCE), r.cap)
+                evidence = self._own.get(r.req_id) or _NO_EVIDENCE
+                ks[r.req_id] = self._seeded_choice(*self.estimates(r), r.cap)
                 if ks[r.req_id] == 0 and evidence.probe_due():
                     ks[r.req_id] = 1
                     chosen.seeded_probes.add(r.req_id)
-        chosen.ks = ks
         return [ks[r.req_id] for r in requests]
 
-    def _merit(self, free: list[PolicyRequest], alphas: list[float], batch: list[PolicyRequest]) -> dict[str, int]:
-        """K of the `free` requests maximising expected tokens per second (the others in `batch`
-        run plain or by their own rule: priced at K = 0)."""
-        if not free:
-            return {}
+    def _merit(self, free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
+               costs: tuple[float, ...]) -> dict[str, int]:
+        """K of the `free` requests (their (alpha, coverage)) maximising expected tokens per second
+        in a round of `batch` requests (the others run plain or by their own rule: priced at K = 0)."""
         if self.costs.rounds_seen < 1:  # nothing measured yet: draft, and measure it
             return {r.req_id: min(r.cap, 1) for r in free}
-        v0, v1, v2, d0, d1, d2, d3, overhead = self.costs.coefficients()
-        order = sorted(((a ** k, i) for i, (r, a) in enumerate(zip(free, alphas)) for k in range(1, r.cap + 1)),
-                       key=lambda pair: -pair[0])
+        v0, v1, v2, d0, d1, d2, d3, overhead = costs
+        plain = v0 + v1 * batch + overhead
+        order = sorted(((c * a ** k, i) for i, (r, (a, c)) in enumerate(zip(free, estimates))
+                        for k in range(1, r.cap + 1)), key=lambda pair: -pair[0])
         ks = [0] * len(free)
-        tokens = float(len(batch))
-        plain = v0 + v1 * len(batch) + overhead
+        tokens = float(batch)
         verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
         best_rate, best = tokens / max(plain, 1e-9), list(ks)
         for worth, i in order:
-            request = free[i]
+            request, coverage = free[i], estimates[i][1]
             ks[i] += 1
             tokens += worth
-            verify += v1 + (v2 * (2 if ks[i] == 1 else 1) if not request.greedy else 0.0)
+            verify += coverage * (v1 + (v2 * (2 if ks[i] == 1 else 1) if not request.greedy else 0.0))
             draft_tokens += d2 + (d3 * request.backlog if ks[i] == 1 else 0.0)
             steps = max(steps, ks[i])
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
@@ -171,62 +207,97 @@ class SpeculationPolicy:
                 best_rate, best = rate, list(ks)
         return {r.req_id: k for r, k in zip(free, best)}
 
+    @staticmethod
+    def _cannot_pay(free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
+                    costs: tuple[float, ...]) -> bool:
+        """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked
+        tokens are worth at most min(m * the best worth, all worths) and cost at least a draft
+        call's d0 + d1 plus m times the least a token costs; their ratio peaks at an end or at
+        the kink."""
+        v0, v1, _, d0, d1, d2, _, overhead = costs
+        plain = v0 + v1 * batch + overhead
+        top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
+        for r, (a, c) in zip(free, estimates):
+            top, least_coverage, most = max(top, c * a), min(least_coverage, c), most + r.cap
+            worths += c * a * (1.0 - a ** r.cap) / (1.0 - a)
+        least = v1 * least_coverage + d2
+        return all((batch + min(m * top, worths)) * plain <= batch * (plain + d0 + d1 + m * least)
+                   for m in (1, most, max(1.0, worths / max(top, 1e-9))))
+
+    def _still_quiet(self, requests: list[PolicyRequest]) -> bool:
+        """The last choice settled this round too: the same requests (their caps only shrink),
+        none seeded, no probe due at its last price and the costs not solved again since."""
+        return (len(requests) == len(self._quiet) and all(r.req_id == q for r, q in zip(requests, self._quiet))
+                and not self.costs.solve_due()
+                and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
+
     def _rounds_at_zero(self, request: PolicyRequest) -> int:
         own = self._own.get(request.req_id)
         return own.rounds_at_zero if own is not None else 0
 
-    def _probe_rounds(self, request: PolicyRequest, batch: int) -> float:
+    def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...]) -> float:
         """What drafting 1 token for `request` adds to a round (a draft call that catches up its
-        backlog and takes one step, one more verified token), in plain rounds of this batch; at
-        least 1 (0-priced where unmeasured: try it)."""
-        v0, v1, v2, d0, d1, d2, d3, overhead = self.costs.coefficients()
+        backlog and takes one step, one more verified token), in plain rounds of this batch
+        (0-priced where unmeasured: try it)."""
+        v0, v1, v2, d0, d1, d2, d3, overhead = costs
         price = v1 + (0.0 if request.greedy else 2 * v2) + d0 + d1 + d2 + d3 * request.backlog
-        return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
+        return price / max(v0 + v1 * batch + overhead, 1e-9)
 
-    def _worth_probing(self) -> bool:
+    def _worth_probing(self, costs: tuple[float, ...]) -> bool:
         """Could drafting pay at all: at acceptance 1, does some K beat plain decoding (one request)?
         Yes while drafting is unmeasured: draft costs fade as rounds go by without drafting, so a
         price measured on a bad spell of the machine is measured again."""
         if self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1:
             return True
-        plain = self.costs.round_seconds(RoundShape(1, 0, 0, 0, 0))
-        return any((k + 1) / self.costs.round_seconds(RoundShape(k + 1, 0, k, k, 0)) > 1 / plain for k in (1, 2, 4))
+        v0, v1, _, d0, d1, d2, _, overhead = costs
+        plain = v0 + v1 + overhead
+        return any((k + 1) * plain > plain + k * (v1 + d1 + d2) + d0 for k in (1, 2, 4))
 
-    def _seeded_choice(self, alpha: float, cap: int) -> int:
+    def _seeded_choice(self, alpha: float, coverage: float, cap: int) -> int:
         step = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST
-        return max(range(cap + 1), key=lambda k: (expected_tokens(alpha, k) / (1.0 + k * step), k))
+        return max(range(cap + 1), key=lambda k: (expected_tokens(alpha, k, coverage) / (1.0 + k * step), k))
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round that ran into the estimates and the costs (`greedy`: req_id -> greedy)."""
         chosen, drafted = self._chosen, {True: False, False: False}
-        pooled = {True: [0.0, 0.0], False: [0.0, 0.0]}  # accepted, tested this round, by kind
+        pooled = {True: [0, 0, 0, 0], False: [0, 0, 0, 0]}  # accepted, tested, proposed, asked, by kind
         for update in report.updates:
+            req_id, asked = update.req_id, update.num_speculative_tokens
             if update.error is not None:
-                self._own.pop(update.req_id, None)
+                self._own.pop(req_id, None)
                 continue
-            own = self._own.setdefault(update.req_id, Evidence())
-            # Per token asked: a drafter that proposed fewer (an n-gram lookup that found nothing)
-            # missed there, as a rejected token would have.
-            tested = update.accepted + (1 if update.accepted < update.num_speculative_tokens else 0)
-            own.add(update.accepted, tested)
-            kind = greedy.get(update.req_id, True)
-            pooled[kind][0] += update.accepted
-            pooled[kind][1] += tested
-            if update.req_id in chosen.seeded_probes:
+            own = self._own.get(req_id)
+            if own is None:
+                own = self._own[req_id] = Evidence()
+            if update.finished:
+                del self._own[req_id]  # (its last round still counts for its kind)
+            if not asked:  # (the common round at K = 0: only fading)
+                own.add(0, 0, 0, 0)
+                own.rounds_at_zero += 1
+                continue
+            # The first rejected token was tested; tokens asked for but never proposed were not.
+            accepted, proposed = update.accepted, update.proposed
+            tested = accepted + (accepted < proposed)
+            own.add(accepted, tested, proposed, asked)
+            kind = greedy.get(req_id, True)
+            counts = pooled[kind]
+            counts[0] += accepted
+            counts[1] += tested
+            counts[2] += proposed
+            counts[3] += asked
+            if req_id in chosen.seeded_probes:
                 own.probed(brought_back=False)
-            elif update.req_id in chosen.probes:
+            elif req_id in chosen.probes:
                 own.rounds_at_zero = 0  # (the kind's clock, not its own, paces its probes)
-            elif update.num_speculative_tokens > 0:
+            else:
                 drafted[kind] = True
                 own.probed(brought_back=True)
-            else:
-                own.rounds_at_zero += 1
-            if update.finished:
-                self._own.pop(update.req_id, None)
         for kind, pool in self._pool.items():
-            if pooled[kind][1]:  # fading by DECAY per PRIOR_WEIGHT tokens tested: a memory of ~40
-                pool.add(*pooled[kind], fade=DECAY ** (pooled[kind][1] / PRIOR_WEIGHT))
+            accepted, tested, proposed, asked = pooled[kind]
+            if asked:  # fading by DECAY per PRIOR_WEIGHT tokens tested (asked): a memory of ~40
+                pool.add(accepted, tested, proposed, asked, fade=DECAY ** (tested / PRIOR_WEIGHT),
+                         coverage_fade=DECAY ** (asked / PRIOR_WEIGHT))
             if drafted[kind]:
                 pool.probed(brought_back=True)
             elif kind in chosen.probes.values():
@@ -240,7 +311,10 @@ class SpeculationPolicy:
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:
     """What a round that ran fed the target and asked of the drafter (RoundCosts' features)."""
-    verified = [u for u in report.updates if u.error is None]
-    return RoundShape(fed=sum(u.proposed + 1 for u in verified),
-                      sampled=sum(u.proposed + 1 for u in verified if u.proposed and not greedy.get(u.req_id, True)),
-                      steps=report.draft_steps, proposed=report.draft_proposed, catch_up=report.draft_catch_up)
+    fed = sampled = 0
+    for u in report.updates:
+        if u.error is None:
+            fed += u.proposed + 1
+            if u.proposed and not greedy.get(u.req_id, True):
+                sampled += u.proposed + 1
+    return RoundShape(fed, sampled, report.draft_steps, report.draft_proposed, report.draft_catch_up)

@@ -1,8 +1,9 @@
 """What a round costs here, learnt online from the rounds the scheduler runs (no start-up timing).
 
 Terms, per round (RoundReport):
-- the target is fed T tokens (each verified request its K + 1), of which P belong to sampled
-  requests that drafted (their K + 1 positions need distributions and the accept test);
+- the target is fed T tokens (each verified request its K + 1); where a request samples and
+  something was proposed, the accept test takes distributions at P = B (max K + 1) positions
+  (every request's, padded to the longest proposal), else P = 0;
 - the drafter, when called, runs S = max K steps proposing D = sum K tokens, after catching up on
   C committed tokens it had not seen (a new prompt, rounds at K = 0);
 - the coordinator's own time is the rest of the round.

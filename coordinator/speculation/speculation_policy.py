@@ -20,8 +20,8 @@ The model:
   backlog among equals) drafts 1 token. The interval starts at 2 rounds, doubles up to
   MAX_PROBE_INTERVAL after each probe that brings no request back, resets when one drafts on
   merit, and counts in plain rounds' worth of the probe's predicted price (a draft call catching
-  up the backlog, a step, one more verified token): probing takes ~1 / interval of the time
-  whatever a probe costs. No probe while even acceptance 1 could not pay for drafting (a price
+  up the backlog, a step, one more verified token) where that is more than a round: a dear probe
+  takes no more of the time than a cheap one. No probe while even acceptance 1 could not pay for drafting (a price
   that fades with rounds that do not draft).
 - Seeded sampled requests: which draws decide a token depends on K, so their K follows their own
   history only: each maximises its expected tokens / (1 + K (c + REFERENCE_VERIFY_TOKEN_COST)), in
@@ -41,7 +41,7 @@ from coordinator.speculation.round_costs import RoundCosts, RoundShape
 PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
 DECAY = 0.9  # a request's evidence per round: acceptance shifts within a request (code, then prose)
 INITIAL_ACCEPTANCE = 0.6  # the pool's prior before any evidence, and seeded requests' prior
-MAX_PROBE_INTERVAL = 64  # probing a drafter that never pays costs ~1 plain round's worth in this many
+MAX_PROBE_INTERVAL = 64  # rounds: probing a drafter that never pays costs about 1 round in this many
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests' rule)
 _ALPHA_MAX = 0.999  # keeps E finite
 
@@ -151,6 +151,7 @@ class SpeculationPolicy:
         free = [r for r in requests if r.cap > 0 and not r.seeded]
         if free:
             costs = self.costs.coefficients()
+            sampled = not all(r.greedy for r in requests)  # (then the accept test runs on every row)
             prior = {greedy: self._kind_prior(greedy) for greedy in {r.greedy for r in free}}
             estimates = [self.estimates(r, prior[r.greedy]) for r in free]
             if self.costs.rounds_seen >= 1 and self._cannot_pay(free, estimates, len(requests), costs):
@@ -161,13 +162,13 @@ class SpeculationPolicy:
                 if len(free) == len(requests) and self._cannot_pay(free, ceilings, len(requests), costs):
                     self._quiet = [r.req_id for r in requests]
             else:
-                ks.update(self._merit(free, estimates, len(requests), costs))
+                ks.update(self._merit(free, estimates, len(requests), costs, sampled))
             for greedy, pool in self._pool.items():
                 kind = [r for r in free if r.greedy == greedy]
                 price = float("inf")  # (no probe of this kind now)
                 if kind and not any(ks[r.req_id] for r in kind) and self._worth_probing(costs):
                     probe = max(kind, key=lambda r: (self._rounds_at_zero(r), -r.backlog))
-                    price = self._probe_rounds(probe, len(requests), costs)  # (grows with the backlog)
+                    price = self._probe_rounds(probe, len(requests), costs, sampled)  # (grows with the backlog)
                     if pool.probe_due(price):
                         ks[probe.req_id], chosen.probes[probe.req_id] = 1, greedy
                         self._quiet = []  # (its result moves the estimates)
@@ -182,9 +183,10 @@ class SpeculationPolicy:
         return [ks[r.req_id] for r in requests]
 
     def _merit(self, free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
-               costs: tuple[float, ...]) -> dict[str, int]:
+               costs: tuple[float, ...], sampled: bool) -> dict[str, int]:
         """K of the `free` requests (their (alpha, coverage)) maximising expected tokens per second
-        in a round of `batch` requests (the others run plain or by their own rule: priced at K = 0)."""
+        in a round of `batch` requests (the others run plain or by their own rule: priced at K = 0;
+        `sampled`: some request samples, so a longer longest proposal adds a position to each)."""
         if self.costs.rounds_seen < 1:  # nothing measured yet: draft, and measure it
             return {r.req_id: min(r.cap, 1) for r in free}
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
@@ -199,9 +201,11 @@ class SpeculationPolicy:
             request, coverage = free[i], estimates[i][1]
             ks[i] += 1
             tokens += worth
-            verify += coverage * (v1 + (v2 * (2 if ks[i] == 1 else 1) if not request.greedy else 0.0))
+            verify += coverage * v1
+            if ks[i] > steps:
+                verify += v2 * batch * (2 if sampled and steps == 0 else 1 if sampled else 0)
+                steps = ks[i]
             draft_tokens += d2 + (d3 * request.backlog if ks[i] == 1 else 0.0)
-            steps = max(steps, ks[i])
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, list(ks)
@@ -235,13 +239,14 @@ class SpeculationPolicy:
         own = self._own.get(request.req_id)
         return own.rounds_at_zero if own is not None else 0
 
-    def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...]) -> float:
+    def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...], sampled: bool) -> float:
         """What drafting 1 token for `request` adds to a round (a draft call that catches up its
-        backlog and takes one step, one more verified token), in plain rounds of this batch
-        (0-priced where unmeasured: try it)."""
+        backlog and takes one step, one more verified token, the accept test on 2 positions of
+        each row of a sampled batch), in plain rounds of this batch, at least 1: a price below a
+        round rests on slopes that few rounds measured (0-priced where unmeasured: try it)."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        price = v1 + (0.0 if request.greedy else 2 * v2) + d0 + d1 + d2 + d3 * request.backlog
-        return price / max(v0 + v1 * batch + overhead, 1e-9)
+        price = v1 + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d2 + d3 * request.backlog
+        return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
         """Could drafting pay at all: at acceptance 1, does some K beat plain decoding (one request)?
@@ -311,10 +316,11 @@ class SpeculationPolicy:
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:
     """What a round that ran fed the target and asked of the drafter (RoundCosts' features)."""
-    fed = sampled = 0
+    fed = verified = longest = 0
+    sampling = False
     for u in report.updates:
         if u.error is None:
-            fed += u.proposed + 1
-            if u.proposed and not greedy.get(u.req_id, True):
-                sampled += u.proposed + 1
+            fed, verified, longest = fed + u.proposed + 1, verified + 1, max(longest, u.proposed)
+            sampling = sampling or not greedy.get(u.req_id, True)
+    sampled = verified * (longest + 1) if sampling and longest else 0
     return RoundShape(fed, sampled, report.draft_steps, report.draft_proposed, report.draft_catch_up)

@@ -202,8 +202,9 @@ class SpeculationPolicy:
             ks[i] += 1
             tokens += worth
             verify += coverage * v1
-            if ks[i] > steps:
-                verify += v2 * batch * (2 if sampled and steps == 0 else 1 if sampled else 0)
+            if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
+                if sampled:
+                    verify += v2 * batch * (2 if steps == 0 else 1)
                 steps = ks[i]
             draft_tokens += d2 + (d3 * request.backlog if ks[i] == 1 else 0.0)
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
@@ -243,7 +244,7 @@ class SpeculationPolicy:
         """What drafting 1 token for `request` adds to a round (a draft call that catches up its
         backlog and takes one step, one more verified token, the accept test on 2 positions of
         each row of a sampled batch), in plain rounds of this batch, at least 1: a price below a
-        round rests on slopes that few rounds measured (0-priced where unmeasured: try it)."""
+        round rests on slopes that few rounds measured."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
         price = v1 + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d2 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))

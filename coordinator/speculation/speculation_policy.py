@@ -156,11 +156,13 @@ class SpeculationPolicy:
             estimates = [self.estimates(r, prior[r.greedy]) for r in free]
             if self.costs.rounds_seen >= 1 and self._cannot_pay(free, estimates, len(requests), costs):
                 # At K = 0 an estimate only moves towards its prior: if tokens could not pay at
-                # the larger of the two either, the next rounds are settled too (_still_quiet).
-                ceilings = [(max(a, prior[r.greedy][0]), max(c, prior[r.greedy][1]))
-                            for r, (a, c) in zip(free, estimates)]
-                if len(free) == len(requests) and self._cannot_pay(free, ceilings, len(requests), costs):
-                    self._quiet = [r.req_id for r in requests]
+                # the larger of the two either, the next rounds are settled too (_still_quiet;
+                # not with seeded or capped-out requests, which follow rules of their own).
+                if len(free) == len(requests):
+                    ceilings = [(max(a, prior[r.greedy][0]), max(c, prior[r.greedy][1]))
+                                for r, (a, c) in zip(free, estimates)]
+                    if self._cannot_pay(free, ceilings, len(requests), costs):
+                        self._quiet = [r.req_id for r in requests]
             else:
                 ks.update(self._merit(free, estimates, len(requests), costs, sampled))
             for greedy, pool in self._pool.items():

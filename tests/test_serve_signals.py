@@ -111,10 +111,11 @@ class Serve:
     def stream_held_in_flight(self):
         """Once serving: a request started, then its target worker's process stopped (SIGSTOP: the
         gate, the request cannot finish before the test continues it); (stream, tokens so far,
-        the target's pid)."""
+        the target's pid). The target is found before the request starts: walking /proc between
+        the first response and the stop took long enough for the target to finish the request."""
         self.wait_line("specdec serving", 180)
-        stream, tokens = self.stream()
         [target] = find(self.proc.pid, "TargetWorkerActor")
+        stream, tokens = self.stream()
         os.kill(target, signal.SIGSTOP)
         return stream, tokens, target
 

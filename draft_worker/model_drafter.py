@@ -2,9 +2,9 @@
 
 Each round the draft learns the tokens the target committed since last time. Its cache holds
 what it fed itself last round (the committed prefix plus its own guesses t1..t_{k-1}, or, after
-a pre-draft, the assumed tokens and the guesses after them); it keeps the longest prefix that
-still agrees with the context, drops the rest, and feeds the remainder in the first of its k
-batched steps.
+a pre-draft, the assumed tokens and the guesses after them, or after a tree, its nodes); it keeps
+the longest prefix that still agrees with the context, drops the rest, and feeds the remainder in
+the first of its k batched steps. A task with branches > 1 is drafted as a tree (draft_tree).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_worker.draft_tree import DraftedTree, TreeGrowth
 from draft_worker.drafter import Drafter
 from specdec.kv_cache import PagedKVCache
 from specdec.model.runner import ModelRunner
@@ -33,6 +34,7 @@ class _DraftSequence:
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)  # committed tokens, as told by the coordinator
     fed: list[int] = field(default_factory=list)  # tokens whose K/V sit in the draft's cache
+    tree: DraftedTree | None = None  # the last round's tree nodes, cached after `fed`
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -44,14 +46,16 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
-                  max_q_entries: int | None) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+                  max_q_entries: int | None, ranks: list[int] | None = None
+                  ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Pick one token per row; return (tokens [N], {row: (q ids [n], q probs [n])} of sampled rows).
 
     logits: [N, V]; contexts[r]: row r's tokens so far, so len(contexts[r]) is the position of the
-    token it picks. A sampled row's q is its top max_q_entries probabilities, renormalised, and the
-    token is drawn from exactly that q with the request's DRAFT uniform at that position: the q
-    sent to the target is the distribution the token came from (any q would keep the method exact;
-    a close one keeps acceptance high).
+    token it picks; ranks[r] its rank in a token tree (None: all 0). A sampled row's q is its top
+    max_q_entries probabilities, renormalised, and the token is drawn from exactly that q with the
+    request's DRAFT uniform at that position (and rank): the q sent to the target is the
+    distribution the token came from (any q would keep the method exact; a close one keeps
+    acceptance high).
     """
     needs_presence = any(p.repetition_penalty != 1.0 for p in params)
     if all(p.greedy for p in params) and not needs_presence:
@@ -87,7 +91,8 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         # Largest first: beyond a top-k row's width every entry is 0 (the top-k filter zeroed it).
         top, ids = torch.topk(probs[rows].float(), max(widths), dim=-1)  # [S, n]
         q = top / top.sum(dim=-1, keepdim=True)
-    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device)
+    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device,
+                 None if ranks is None else [ranks[i] for i in rows])
     tokens[rows] = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
     return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}
@@ -123,6 +128,12 @@ class ModelDrafter(Drafter):
         seq.tokens.extend(task.new_tokens)
         # Assumed tokens are context for this task only: `tokens` stays the committed ones.
         context = seq.tokens + task.assumed_tokens
+        if seq.tree is not None:  # keep the path of last round's tree that the context follows
+            start = len(seq.fed)
+            path = seq.tree.accepted_path(context[start:]) if context[:start] == seq.fed else []
+            self.runner.cache.keep_path(task.req_id, start, [start + n for n in path])
+            seq.fed += [seq.tree.tokens[n] for n in path]
+            seq.tree = None
         if not context:
             raise ValueError(f"request {task.req_id}: the draft needs at least one token of context")
         if task.num_speculative_tokens == 0:
@@ -136,32 +147,77 @@ class ModelDrafter(Drafter):
         seq.fed = context[:keep]
         return context, context[keep:]
 
+    def _branches(self, task: DraftTask, context: list[int]) -> int:
+        """How many children the root of this task's tree gets (1: a chain): a tree needs room
+        for all its nodes, and no repetition penalty (whose presence differs by path)."""
+        fits = len(context) + task.branches * task.num_speculative_tokens <= self.runner.max_seq_len
+        if task.branches > 1 and task.num_speculative_tokens > 0 and fits and task.params.repetition_penalty == 1.0:
+            return task.branches
+        return 1
+
     def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
         synced = {t.req_id: self._sync(t) for t in tasks}
         context = {req_id: c for req_id, (c, _) in synced.items()}
         feed = {req_id: f for req_id, (_, f) in synced.items()}
         wanted = {t.req_id: t.num_speculative_tokens for t in tasks}
+        trees = {t.req_id: TreeGrowth(b, len(context[t.req_id])) for t in tasks
+                 if (b := self._branches(t, context[t.req_id])) > 1}
         drafted: dict[str, list[int]] = {t.req_id: [] for t in tasks}
         q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.req_id: [] for t in tasks}
         for step in range(max(wanted.values(), default=0)):
             ids = [r for r in wanted if wanted[r] > step]
             seqs = [self._seqs[r] for r in ids]
-            logits = self.runner.run(ids, [feed[r] for r in ids], [1] * len(ids))
-            tokens, q = choose_tokens(torch.cat(logits), [s.params for s in seqs],
-                                      [context[r] + drafted[r] for r in ids], self.max_q_entries)
-            tokens = tokens.tolist()
-            for row, (req_id, seq) in enumerate(zip(ids, seqs)):
-                seq.fed.extend(feed[req_id])
-                drafted[req_id].append(tokens[row])
-                feed[req_id] = [tokens[row]]
-                if row in q:
-                    q_rows[req_id].append(q[row])
+            shapes = [None] * len(ids)
+            for i, req_id in enumerate(ids):
+                if req_id in trees and step > 0:
+                    feed[req_id], shapes[i] = trees[req_id].leaves(self.runner.cache.length(req_id))
+            logits = self.runner.run(ids, [feed[r] for r in ids],
+                                     [len(feed[r]) if shape else 1 for r, shape in zip(ids, shapes)],
+                                     shapes if any(shapes) else None)
+            rows, row_params, row_contexts, row_ranks = [], [], [], []
+            for req_id, seq, rows_of in zip(ids, seqs, logits):
+                tree = trees.get(req_id)
+                if tree is None:
+                    rows.append(rows_of)
+                    row_params.append(seq.params)
+                    row_contexts.append(context[req_id] + drafted[req_id])
+                    row_ranks.append(0)
+                    continue
+                if step == 0 and seq.params.greedy:  # the root's children: its top tokens
+                    tree.add(torch.topk(rows_of[0], tree.branches).indices.tolist(), [None] * tree.branches)
+                    continue
+                # The root's children are i.i.d. draws from one row; later each branch's own row.
+                rows.append(rows_of.expand(tree.branches, -1) if step == 0 else rows_of)
+                row_params += [seq.params] * tree.branches
+                row_contexts += [context[req_id] + branch for branch in tree.tokens]
+                row_ranks += range(tree.branches)
+            if rows:
+                tokens, q = choose_tokens(torch.cat(rows), row_params, row_contexts, self.max_q_entries, row_ranks)
+                tokens = tokens.tolist()
+            row = 0
+            for req_id, seq in zip(ids, seqs):
+                tree = trees.get(req_id)
+                if tree is None or step == 0:  # (a tree's nodes are cached as tree.cached)
+                    seq.fed.extend(feed[req_id])
+                if tree is None:
+                    drafted[req_id].append(tokens[row])
+                    feed[req_id] = [tokens[row]]
+                    if row in q:
+                        q_rows[req_id].append(q[row])
+                    row += 1
+                elif not (step == 0 and seq.params.greedy):
+                    chosen = range(row, row + tree.branches)
+                    tree.add([tokens[r] for r in chosen], [q.get(r) for r in chosen])
+                    row += tree.branches
         proposals = []
         for t in tasks:
-            rows = q_rows[t.req_id]
+            tokens, parents, rows = drafted[t.req_id], [], q_rows[t.req_id]
+            if t.req_id in trees:
+                tokens, parents, rows = trees[t.req_id].proposal()
+                self._seqs[t.req_id].tree = trees[t.req_id].cached
             q = None
             if rows:
                 q = SparseDist(token_ids=torch.stack([r[0] for r in rows]), probs=torch.stack([r[1] for r in rows]))
-            proposals.append(DraftProposal(req_id=t.req_id, tokens=drafted[t.req_id], q=q,
-                                           draft_forward_passes=len(drafted[t.req_id])))
+            proposals.append(DraftProposal(req_id=t.req_id, tokens=tokens, q=q, parents=parents,
+                                           draft_forward_passes=t.num_speculative_tokens))
         return proposals

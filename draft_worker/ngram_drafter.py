@@ -17,7 +17,16 @@ from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
 
 def lookup_continuation(tokens: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to max_tokens tokens that followed the most recent earlier match of the longest suffix
-    n-gram (max_ngram down to min_ngram).
+    n-gram (max_ngram down to min_ngram)."""
+    found = lookup_continuations(tokens, max_tokens, max_ngram, min_ngram, 1)
+    return found[0] if found else []
+
+
+def lookup_continuations(tokens: list[int], max_tokens: int, max_ngram: int, min_ngram: int,
+                         branches: int) -> list[list[int]]:
+    """Up to `branches` continuations (each up to max_tokens) with distinct first tokens: what
+    followed the earlier matches of the longest suffix n-gram, most recent first, then those of
+    shorter n-grams down to min_ngram (the most recent is the most relevant context).
 
     One vectorised pass, not a Python scan: the earlier occurrences of the last token are the
     candidates, and each step keeps those whose preceding token also matches, so the survivors of
@@ -26,15 +35,23 @@ def lookup_continuation(tokens: list[int], max_tokens: int, max_ngram: int, min_
     context = np.asarray(tokens, dtype=np.int64)
     length = len(context)
     ends = np.flatnonzero(context[:-1] == context[-1]) if length > 1 else context[:0]  # 1-gram matches
-    best = None
+    levels = []  # the match ends of each n-gram length from min_ngram up
     n = 1
     while ends.size and n <= max_ngram:
         if n >= min_ngram:
-            best = int(ends[-1])  # the most recent occurrence is the most relevant context
+            levels.append(ends)
         ends = ends[ends >= n]  # room for one more token before the match
         ends = ends[context[ends - n] == context[length - 1 - n]] if n < length - 1 else ends[:0]
         n += 1
-    return [] if best is None else context[best + 1:best + 1 + max_tokens].tolist()
+    found, firsts = [], set()
+    for ends in reversed(levels):
+        for end in ends[::-1].tolist():
+            if int(context[end + 1]) not in firsts:  # (a match ends before the last token: one follows)
+                firsts.add(int(context[end + 1]))
+                found.append(context[end + 1:end + 1 + max_tokens].tolist())
+                if len(found) == branches:
+                    return found
+    return found
 
 
 class NgramDrafter(Drafter):
@@ -55,16 +72,24 @@ class NgramDrafter(Drafter):
             tokens = self._tokens.setdefault(task.req_id, [])
             tokens.extend(task.new_tokens)
             context = tokens + task.assumed_tokens
-            draft = []
+            draft, parents = [], []
             if task.num_speculative_tokens > 0 and task.assumed_tokens:
                 draft = self._predraft(context, task.num_speculative_tokens)
             elif task.num_speculative_tokens > 0:
-                draft = self._lookup(context, task.num_speculative_tokens)
+                found = lookup_continuations(context[-self.window:], task.num_speculative_tokens, self.max_ngram,
+                                             self.min_ngram, task.branches)
+                for branch in found:  # a tree of chains, depth-first, when several matches differ
+                    parents += [-1] + list(range(len(draft), len(draft) + len(branch) - 1))
+                    draft += branch
+                parents = parents if len(found) > 1 else []
             q = None
             if draft and not task.params.greedy:
+                # Each node is its own point mass: children drawn independently (trivially, as
+                # they are not random), which the tree walk's rule allows per child.
                 q = SparseDist(token_ids=torch.tensor(draft, dtype=torch.long)[:, None],
                                probs=torch.ones(len(draft), 1))
-            proposals.append(DraftProposal(req_id=task.req_id, tokens=draft, q=q, draft_forward_passes=0))
+            proposals.append(DraftProposal(req_id=task.req_id, tokens=draft, q=q, draft_forward_passes=0,
+                                           parents=parents))
         return proposals
 
     def _lookup(self, context: list[int], max_tokens: int) -> list[int]:

@@ -116,6 +116,25 @@ class PagedKVCache:
             del table[keep:]
         self._lengths[seq_id] = length
 
+    def keep_path(self, seq_id: str, start: int, path: list[int]) -> None:
+        """Keep the first `start` tokens and then the tokens at cache indices `path` (ascending, all
+        >= start: a tree's accepted nodes), moved in place to start, start + 1, ..; the rest goes.
+        Each token moves to an index at or below its own, and earlier than any later source, so the
+        copies in order never overwrite a token still to move."""
+        ascending = all(a < b for a, b in zip(path, path[1:]))
+        if not ascending or (path and not start <= path[0] <= path[-1] < self.length(seq_id)):
+            raise ValueError(f"cannot keep path {path} after {start} tokens of {seq_id!r}")
+        moves = [(index, start + k) for k, index in enumerate(path) if index != start + k]
+        if moves:
+            table, size = self._tables[seq_id], self.block_size
+            source, target = ([table[i // size] * size + i % size for i in indices] for indices in zip(*moves))
+            source_t = torch.tensor(source, device=self.k.device)
+            target_t = torch.tensor(target, device=self.k.device)
+            for cache in (self.k, self.v):
+                flat = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [layers, slots, Hkv, D]
+                flat.index_copy_(1, target_t, flat.index_select(1, source_t))
+        self.truncate_to(seq_id, start + len(path))
+
     def reserve_block(self) -> int:
         """Take one block out of the pool for good: the padding rows of a replayed CUDA graph
         write their keys there (model.cuda_graphs), where no sequence reads them."""

@@ -161,6 +161,8 @@ class SchedulerConfig:
     # (README "Overlapped drafting"); turn it on where draft and target have their own devices.
     overlap: bool = setting(False, "overlapped drafting: the draft drafts round r+1 while the target verifies "
                                    "round r, kept only if round r commits what it assumed; no: serial rounds")
+    tree_branches: int = setting(1, "draft a token tree: this many children of the last committed token, each "
+                                    "continued K deep, all verified in one pass (model drafts); 1: a chain")
     worker_round_timeout: float = setting(
         30.0, "seconds a worker may take to answer one round before it is treated as dead (hung)")
     worker_recovery_timeout: float = setting(
@@ -175,6 +177,11 @@ class SchedulerConfig:
                "scheduler.num_speculative_tokens", f"an integer in [0, {self.max_request_speculative_tokens}]",
                self.num_speculative_tokens)
         _positive("scheduler.max_batch_size", self.max_batch_size)
+        _check(isinstance(self.tree_branches, int) and 1 <= self.tree_branches <= 16, "scheduler.tree_branches",
+               "an integer in [1, 16]", self.tree_branches)
+        # A pre-draft assumes the proposal under verification is accepted whole: one chain.
+        _check(self.tree_branches == 1 or not self.overlap, "scheduler.tree_branches",
+               "1 with scheduler.overlap on (overlapped drafting assumes a chain)", self.tree_branches)
         for name in ("worker_round_timeout", "worker_recovery_timeout"):
             _check(getattr(self, name) > 0, f"scheduler.{name}", "a number of seconds > 0", getattr(self, name))
 

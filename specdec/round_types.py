@@ -61,6 +61,9 @@ class DraftTask:
     num_speculative_tokens: int
     params: SamplingParams
     assumed_tokens: list[int] = field(default_factory=list)
+    # More than 1: a token tree, this many children of the root, each continued as a chain to
+    # num_speculative_tokens deep (a drafter that cannot, or a request that should not, gets a chain).
+    branches: int = 1
 
 
 @dataclass
@@ -69,6 +72,17 @@ class DraftProposal:
     tokens: list[int]  # at most num_speculative_tokens (an n-gram drafter may find fewer, or none)
     q: SparseDist | None  # None for greedy requests; else one row per proposed token
     draft_forward_passes: int = 0
+    # A token tree: tokens in depth-first order, parents[i] the node token i follows (-1: the last
+    # committed token), q row i the distribution token i was drawn from. Empty: a chain.
+    parents: list[int] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        """The tokens of its longest path: a chain's length, a tree's deepest node's depth."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0) if self.parents else len(self.tokens)
 
 
 @dataclass
@@ -84,12 +98,13 @@ class VerifyTask:
     draft_tokens: list[int]
     q: SparseDist | None
     params: SamplingParams
+    parents: list[int] = field(default_factory=list)  # a token tree, as DraftProposal's; empty: a chain
 
 
 @dataclass
 class VerifyOutcome:
     req_id: str
-    num_accepted: int  # how many draft tokens were kept
+    num_accepted: int  # how many draft tokens were kept (of a tree: the accepted path's length)
     tokens: list[int]  # committed this round: the kept draft tokens + one correction/bonus token
     error: str = ""  # non-empty: the proposal was rejected unverified (tokens empty), and why
 

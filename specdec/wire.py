@@ -163,17 +163,18 @@ def _optional_sparse(msg, field: str) -> SparseDist | None:
 def draft_task_to_proto(t: DraftTask) -> worker_pb2.DraftTask:
     return worker_pb2.DraftTask(req_id=t.req_id, new_tokens=t.new_tokens,
                                 num_speculative_tokens=t.num_speculative_tokens, params=params_to_proto(t.params),
-                                assumed_tokens=t.assumed_tokens)
+                                assumed_tokens=t.assumed_tokens, branches=t.branches)
 
 
 def draft_task_from_proto(msg: worker_pb2.DraftTask) -> DraftTask:
     return DraftTask(req_id=msg.req_id, new_tokens=list(msg.new_tokens),
                      num_speculative_tokens=msg.num_speculative_tokens, params=params_from_proto(msg.params),
-                     assumed_tokens=list(msg.assumed_tokens))
+                     assumed_tokens=list(msg.assumed_tokens), branches=max(1, msg.branches))
 
 
 def draft_proposal_to_proto(p: DraftProposal) -> worker_pb2.DraftProposal:
-    msg = worker_pb2.DraftProposal(req_id=p.req_id, tokens=p.tokens, draft_forward_passes=p.draft_forward_passes)
+    msg = worker_pb2.DraftProposal(req_id=p.req_id, tokens=p.tokens, draft_forward_passes=p.draft_forward_passes,
+                                   parents=p.parents)
     if p.q is not None:
         sparse_to_proto(p.q, out=msg.q)
     return msg
@@ -185,6 +186,7 @@ def draft_proposal_from_proto(msg: worker_pb2.DraftProposal) -> DraftProposal:
         tokens=list(msg.tokens),
         q=_optional_sparse(msg, "q"),
         draft_forward_passes=msg.draft_forward_passes,
+        parents=list(msg.parents),
     )
 
 
@@ -227,7 +229,8 @@ def draft_info_from_proto(msg: worker_pb2.DraftInfo) -> DraftInfo:
 
 def verify_task_to_proto(t: VerifyTask) -> worker_pb2.VerifyTask:
     msg = worker_pb2.VerifyTask(
-        req_id=t.req_id, new_tokens=t.new_tokens, draft_tokens=t.draft_tokens, params=params_to_proto(t.params)
+        req_id=t.req_id, new_tokens=t.new_tokens, draft_tokens=t.draft_tokens, params=params_to_proto(t.params),
+        parents=t.parents,
     )
     if t.q is not None:
         sparse_to_proto(t.q, out=msg.q)
@@ -241,6 +244,7 @@ def verify_task_from_proto(msg: worker_pb2.VerifyTask) -> VerifyTask:
         draft_tokens=list(msg.draft_tokens),
         q=_optional_sparse(msg, "q"),
         params=params_from_proto(msg.params),
+        parents=list(msg.parents),
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.round_types import VerifyTask
+from specdec.sampling.tree import tree_problem
 
 # float32 rows of at most a few hundred entries sum to 1 within ~1e-6 when they were normalised.
 _SUM_TOLERANCE = 1e-4
@@ -39,6 +40,8 @@ def _host_problem(task: VerifyTask, vocab_size: int) -> str | None:
     bad = [t for t in task.draft_tokens if not 0 <= t < vocab_size]
     if bad:
         return f"draft token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+    if task.parents and (why := tree_problem(task.parents, len(task.draft_tokens))):
+        return why
     q = task.q
     if _needs_q(task) and (q is None or q.num_positions != len(task.draft_tokens)):
         rows = 0 if q is None else q.num_positions

@@ -5,7 +5,9 @@ The target's cache holds every committed token except the last one. A round feed
 positions at once, accepts/rejects with the request's uniforms at those positions
 (specdec.sampling.random), and truncates the cache back to the committed tokens minus the new
 last one (whose K/V the next round computes). Proposals are checked first (proposal_check): one
-that cannot be verified fails its own request only.
+that cannot be verified fails its own request only. A token tree (VerifyTask.parents) is scored in
+the same pass, each node attending to its own path (model.batch.TreeNodes), walked by
+tree_acceptance, and only its accepted path stays in the cache, moved into place (keep_path).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import TargetConfig
+from specdec.model.batch import TreeNodes
 from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import TargetInfo, VerifyOutcome, VerifyResult, VerifyTask
@@ -29,7 +32,9 @@ from specdec.sampling import (
     speculative_verify,
     uniforms,
 )
+from specdec.sampling.tree import is_chain, node_paths
 from target_worker.proposal_check import proposal_problems
+from target_worker.tree_acceptance import accept_tree
 
 
 @dataclass
@@ -81,6 +86,10 @@ def padded_logits(logits: list[torch.Tensor], positions: int) -> torch.Tensor:
 def pad_rows(rows: list[list[int]], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long,
                         device=device).reshape(len(rows), width)
+
+
+def _is_tree(task: VerifyTask) -> bool:
+    return bool(task.parents) and not is_chain(task.parents)
 
 
 class TargetWorker:
@@ -153,15 +162,30 @@ class TargetWorker:
         cached = [self.cache.length(r) for r in ids]
         feeds = [s.tokens[c:] + t.draft_tokens for s, c, t in zip(seqs, cached, tasks)]
         num_proposed = [len(t.draft_tokens) for t in tasks]
-        logits = self.runner.run(ids, feeds, [k + 1 for k in num_proposed])
-        num_accepted, next_tokens = self._accept(tasks, seqs, logits, num_proposed)
+        # A tree's nodes sit in the cache from the first draft token's index on: len(seq.tokens).
+        trees = [TreeNodes(len(s.tokens), node_paths(t.parents, len(s.tokens))) if _is_tree(t) else None
+                 for s, t in zip(seqs, tasks)]
+        logits = self.runner.run(ids, feeds, [k + 1 for k in num_proposed], trees if any(trees) else None)
+        chains = [i for i, tree in enumerate(trees) if tree is None]
+        paths: list[list[int]] = [[] for _ in tasks]
+        next_tokens = [0] * len(tasks)
+        if chains:
+            accepted, chain_next = self._accept([tasks[i] for i in chains], [seqs[i] for i in chains],
+                                                [logits[i] for i in chains], [num_proposed[i] for i in chains])
+            for i, a, nxt in zip(chains, accepted, chain_next):
+                paths[i], next_tokens[i] = list(range(a)), nxt
+        for i, tree in enumerate(trees):
+            if tree is not None:
+                paths[i], next_tokens[i] = accept_tree(tasks[i], seqs[i].tokens, seqs[i].seed, logits[i],
+                                                       self.runner.vocab_size)
         outcomes = []
-        for task, seq, cache_len, feed, a, nxt in zip(tasks, seqs, cached, feeds, num_accepted, next_tokens):
-            committed = task.draft_tokens[:a] + [nxt]
-            # Keep K/V of everything fed up to and including the last accepted draft token.
-            self.cache.truncate_to(task.req_id, cache_len + len(feed) - len(task.draft_tokens) + a)
+        for task, seq, path, nxt in zip(tasks, seqs, paths, next_tokens):
+            committed = [task.draft_tokens[n] for n in path] + [nxt]
+            # Keep K/V of the committed tokens fed so far and of the accepted draft tokens.
+            start = len(seq.tokens)
+            self.cache.keep_path(task.req_id, start, [start + n for n in path])
             seq.tokens.extend(committed)
-            outcomes.append(VerifyOutcome(req_id=task.req_id, num_accepted=a, tokens=committed))
+            outcomes.append(VerifyOutcome(req_id=task.req_id, num_accepted=len(path), tokens=committed))
         return self._result(outcomes)
 
     def _result(self, outcomes: list[VerifyOutcome]) -> VerifyResult:

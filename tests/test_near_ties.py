@@ -57,7 +57,9 @@ class LogitsLedger:
         history: dict[str, list[int]] = {}  # the tokens each sequence's cache holds, as fed
         run = runner.run
 
-        def recording_run(seq_ids, new_tokens, num_logits):
+        def recording_run(seq_ids, new_tokens, num_logits, trees=None):
+            if trees and any(trees):
+                raise NotImplementedError("the ledger records chains (a tree node's prefix is its path)")
             before = [runner.cache.length(s) for s in seq_ids]
             rows = run(seq_ids, new_tokens, num_logits)
             for seq_id, length, fed, n, logits in zip(seq_ids, before, new_tokens, num_logits, rows):

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from draft_worker.ngram_drafter import NgramDrafter, lookup_continuation
+from draft_worker.ngram_drafter import NgramDrafter, lookup_continuation, lookup_continuations
 from draft_worker.worker import DraftWorker, build_drafter
 from specdec.config import NGRAM, ConfigError, DraftConfig
 from specdec.params import SamplingParams
@@ -98,6 +98,24 @@ def test_lookup_matches_brute_force_on_random_contexts():
 
 
 # ---------------------------------------------------------------- the drafter
+
+def test_several_matches_give_branches_with_distinct_first_tokens():
+    """The longest match's continuation first, then shorter matches' from the most recent back,
+    skipping a first token already taken."""
+    tokens = [1, 4, 2, 1, 3, 5, 1, 5, 2, 1]  # "2 1" was followed by 3; "1" by 5, by 3, by 4
+    assert lookup_continuations(tokens, 2, 4, 1, 3) == [[3, 5], [5, 2], [4, 2]]
+    assert lookup_continuations(tokens, 2, 4, 1, 9) == [[3, 5], [5, 2], [4, 2]]  # no more to find
+    assert lookup_continuations(tokens, 2, 4, 1, 1) == [lookup_continuation(tokens, 2, 4, 1)]
+
+
+def test_a_tree_task_gets_the_branches_depth_first_with_one_hot_q():
+    tokens = [1, 4, 2, 1, 3, 5, 1, 5, 2, 1]
+    proposal = ngram().propose([DraftTask("r", tokens, 2, SAMPLED, branches=3)])[0]
+    assert proposal.tokens == [3, 5, 5, 2, 4, 2] and proposal.parents == [-1, 0, -1, 2, -1, 4]
+    assert proposal.q.token_ids[:, 0].tolist() == proposal.tokens and proposal.q.probs.eq(1).all()
+    single = ngram().propose([DraftTask("r", [5, 6, 7, 5], 2, SAMPLED, branches=3)])[0]
+    assert single.tokens == [6, 7] and single.parents == []  # one match: a chain
+
 
 def test_constructor_validates_ngram_bounds():
     with pytest.raises(ValueError):

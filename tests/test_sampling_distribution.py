@@ -47,7 +47,8 @@ def models(tmp_path_factory):
     }
 
 
-def exact_distribution(model_dir, params: dict, new: int = NEW) -> dict[tuple[int, ...], float]:
+def exact_distribution(model_dir, params: dict, new: int = NEW, prompt: list[int] = PROMPT,
+                       ) -> dict[tuple[int, ...], float]:
     model = LlamaForCausalLM.from_pretrained(model_dir).eval()
     processors = LogitsProcessorList()
     if params.get("repetition_penalty", 1.0) != 1.0:
@@ -61,7 +62,7 @@ def exact_distribution(model_dir, params: dict, new: int = NEW) -> dict[tuple[in
     for seq in itertools.product(range(VOCAB), repeat=new):
         prob = 1.0
         for i in range(new):
-            ids = torch.tensor([PROMPT + list(seq[:i])])
+            ids = torch.tensor([prompt + list(seq[:i])])
             with torch.no_grad():
                 scores = processors(ids, model(ids).logits[:, -1, :])
             prob *= torch.softmax(scores, dim=-1)[0, seq[i]].item()
@@ -144,3 +145,58 @@ def test_overlapped_rounds_follow_target_distribution(models, drafter, params_na
     assert sum(kept) > SAMPLES // 10  # pre-drafts were really kept
     engine.target_worker.cache.check_accounting()
     assert engine.target_worker.cache.allocator.num_used == 0
+
+
+# Trees: the root's children drawn i.i.d., each continued as a chain. Top-k/top-p without a
+# repetition penalty (a request with one drafts a chain: its presence would differ by branch).
+TREE_PARAMS = {"temperature": dict(temperature=1.0), "hot": dict(temperature=1.5),
+               "filters": dict(temperature=0.7, top_k=4, top_p=0.9)}
+
+
+def tree_samples(models, drafter: str, params: dict, seed: int, prompt: list[int] = PROMPT,
+                 ) -> tuple[list[tuple[int, ...]], list[float]]:
+    draft = {"self": str(models["target"]), "ngram": "ngram"}.get(drafter) or str(models[drafter])
+    trees = []
+    engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=2, max_batch_size=1000,
+                         adaptive=False, tree_branches=3,
+                         on_round=lambda report: trees.extend(u.tree_nodes for u in report.updates if u.tree_nodes))
+    sp = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, seed=seed + i, **params) for i in range(SAMPLES)]
+    outputs = engine.generate([prompt] * SAMPLES, sp)
+    # Trees of 3 branches were verified: 2 deep, or 1 where max_new_tokens leaves room for one.
+    assert len(trees) > SAMPLES // 2 and 6 in trees and set(trees) <= {3, 6}
+    engine.target_worker.cache.check_accounting()
+    assert engine.target_worker.cache.allocator.num_used == 0
+    rates = [o.stats.acceptance_rate for o in outputs if o.stats.acceptance_rate is not None]
+    return [tuple(o.token_ids) for o in outputs], rates
+
+
+@pytest.mark.parametrize("params_name", sorted(TREE_PARAMS))
+@pytest.mark.parametrize("drafter", ["perturbed", "random", "self"])
+def test_token_trees_follow_target_distribution(models, drafter, params_name):
+    samples, rates = tree_samples(models, drafter, TREE_PARAMS[params_name], seed=7000)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS[params_name])) > 1e-3
+    if drafter == "self":
+        assert all(r == 1.0 for r in rates)
+    else:
+        assert 0.0 < float(np.mean(rates)) < 1.0  # both paths (accept and resample) were exercised
+
+
+@pytest.mark.parametrize("params_name", ["temperature", "filters"])
+def test_ngram_trees_follow_target_distribution(models, params_name):
+    """The n-gram drafter's branches: what followed three earlier matches of the last token, each
+    node a point mass (q one-hot), verified as one tree."""
+    prompt = [1, 4, 2, 1, 3, 5, 1, 5, 2, 1]  # 1 was followed by 4, 3 and 5: three branches 2 deep
+    samples, rates = tree_samples(models, "ngram", TREE_PARAMS[params_name], seed=9000, prompt=prompt)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS[params_name],
+                                                         prompt=prompt)) > 1e-3
+    assert 0.0 < float(np.mean(rates)) < 1.0
+
+
+def test_a_wrong_residual_update_in_trees_fails_the_test(models, monkeypatch):
+    """The negative control: a tree walk that keeps the target's p after a rejected child (no
+    residual) commits the tokens the draft likes too often; the same test must see it."""
+    from specdec.sampling import tree
+
+    monkeypatch.setattr(tree, "residual_after_rejection", lambda r, q: r)
+    samples, _ = tree_samples(models, "random", TREE_PARAMS["temperature"], seed=7000)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS["temperature"])) < 1e-3

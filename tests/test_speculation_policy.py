@@ -38,21 +38,23 @@ class Machine:
 
 
 def run_round(policy: SpeculationPolicy, machine: Machine, requests: list[PolicyRequest], accepts,
-              proposes=None) -> list[int]:
+              proposes=None, branches: int = 1) -> list[int]:
     """choose, then observe the round as `machine` prices it; accepts(req_id, k) -> accepted of
     the tokens proposed, proposes(req_id, k) -> how many of the k asked the drafter proposed (all
-    by default; fewer as an n-gram lookup that finds nothing)."""
+    by default; fewer as an n-gram lookup that finds nothing); branches: each proposed depth is
+    that many tree nodes, all fed and drafted."""
     ks = policy.choose(requests)
     updates, fed = [], []
     for r, k in zip(requests, ks):
         proposed = proposes(r.req_id, k) if k and proposes is not None else k
         accepted = min(accepts(r.req_id, proposed), proposed) if proposed else 0
         updates.append(RequestUpdate(r.req_id, [1] * (accepted + 1), "", num_speculative_tokens=k,
-                                     proposed=proposed, accepted=accepted))
-        fed.append(proposed + 1)
+                                     proposed=proposed, accepted=accepted,
+                                     tree_nodes=branches * proposed if branches > 1 and proposed else None))
+        fed.append(branches * proposed + 1)
     sampling = any(not r.greedy for r in requests) and max(fed, default=1) > 1  # (the accept test's positions)
     shape = RoundShape(fed=sum(fed), sampled=len(fed) * max(fed) if sampling else 0,
-                       steps=max(ks, default=0), proposed=sum(ks),
+                       steps=max(ks, default=0), proposed=branches * sum(ks),
                        catch_up=sum(r.backlog for r, k in zip(requests, ks) if k))
     report = RoundReport(updates=updates, ran=True, verify_seconds=machine.verify(shape),
                          draft_seconds=machine.draft(shape), draft_steps=shape.steps,
@@ -74,8 +76,8 @@ def greedy(req_id: str, cap: int = 5, backlog: int = 0) -> PolicyRequest:
     return PolicyRequest(req_id, cap, greedy=True, seeded=False, backlog=backlog)
 
 
-def new_policy(reference_draft_cost: float = 0.1) -> SpeculationPolicy:
-    return SpeculationPolicy(RoundCosts(max_fed=48, max_steps=5), reference_draft_cost)
+def new_policy(reference_draft_cost: float = 0.1, branches: int = 1) -> SpeculationPolicy:
+    return SpeculationPolicy(RoundCosts(max_fed=48 * branches, max_steps=5), reference_draft_cost, branches)
 
 
 def test_expected_tokens_formula():
@@ -413,3 +415,23 @@ def test_at_k_0_the_drafter_is_called_only_to_probe(tmp_path_factory, drafter):
     rounds = out.stats.target_forward_passes
     assert rounds >= 300  # (nearly) every round plain
     assert len(calls) <= rounds / 10, calls
+
+
+def test_a_tree_is_priced_by_all_its_nodes():
+    """branches: each asked depth is verified and drafted that many times. Where a verified token
+    costs 60% of a pass, a chain that is always accepted pays at K = 5, and a tree of 3 branches
+    (1.8 passes per depth for one more token) does not: it stays at K = 0 but for probes."""
+    machine = Machine(per_token=0.6 * STEP, step=0.01 * STEP)
+    chosen = {}
+    for branches in (1, 3):
+        policy = new_policy(branches=branches)
+        ks = [run_round(policy, machine, [greedy("a")], all_accepted, branches=branches)[0] for _ in range(300)]
+        chosen[branches] = ks[-100:]
+    assert chosen[1].count(5) > 90
+    assert chosen[3].count(0) > 90
+
+
+def test_seeded_requests_price_a_trees_nodes_too():
+    ask = PolicyRequest("s", 5, greedy=False, seeded=True)
+    chain, tree = new_policy(0.3), new_policy(0.3, branches=4)
+    assert chain.choose([ask]) > tree.choose([ask])

@@ -96,8 +96,12 @@ class Admission:
         return None
 
     def blocks_for(self, request: Request) -> int:
-        # Worst case the target holds prompt + max_new_tokens tokens (K is capped to fit).
+        # Worst case the target holds prompt + max_new_tokens tokens (K is capped to fit), and
+        # while it verifies a tree, the other branches' nodes too.
         tokens = len(request.prompt_ids) + request.params.max_new_tokens
+        if self.drafting and self.config.tree_branches > 1:
+            asked = request.num_speculative_tokens
+            tokens += (self.config.tree_branches - 1) * (self.config.num_speculative_tokens if asked is None else asked)
         return blocks_for_tokens(tokens, self.target.kv_block_size) + 1
 
     def admit(self, running: dict[str, RunningRequest]) -> list[tuple[str, object]]:

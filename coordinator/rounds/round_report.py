@@ -18,8 +18,9 @@ class RequestUpdate:
     token_ids: list[int]  # committed this round, after stop conditions
     text: str
     num_speculative_tokens: int = 0  # draft tokens asked for this round (K)
-    proposed: int = 0  # draft tokens the drafter offered (may be fewer than K)
+    proposed: int = 0  # draft tokens the drafter offered (may be fewer than K); of a tree, its depth
     accepted: int = 0  # of those, kept by the target
+    tree_nodes: int | None = None  # a token tree's nodes, all scored by the target (None: a chain)
     finished: bool = False
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "deadline" | "error"
     stats: RequestStats | None = None  # set on the last update

@@ -67,8 +67,9 @@ class Scheduler:
         self.policy: SpeculationPolicy | None = None
         if config.adaptive and speculating:
             k = config.num_speculative_tokens
-            costs = RoundCosts(max_fed=config.max_batch_size * (k + 1), max_steps=k)  # learnt as rounds run
-            self.policy = SpeculationPolicy(costs, reference_draft_cost(self.target_info, self.draft_info))
+            costs = RoundCosts(max_fed=config.max_batch_size * (k * config.tree_branches + 1), max_steps=k)  # learnt
+            self.policy = SpeculationPolicy(costs, reference_draft_cost(self.target_info, self.draft_info),
+                                            config.tree_branches)
         self.predrafting = PreDrafting(self.max_seq_len) if config.overlap and speculating else None
 
     # -- requests in and out --------------------------------------------------------------------
@@ -215,7 +216,8 @@ class Scheduler:
         """The most a request may draft this round: shrinks near max_new_tokens and the context
         end, so a round never overflows and always commits at least one token."""
         length = len(run.request.prompt_ids) + len(run.generated)
-        return max(0, min(run.num_speculative_tokens, run.remaining_tokens - 1, self.max_seq_len - length - 1))
+        room = (self.max_seq_len - length - 1) // self.config.tree_branches  # (a tree's nodes all take a place)
+        return max(0, min(run.num_speculative_tokens, run.remaining_tokens - 1, room))
 
     def _choose(self, runs: list[RunningRequest]) -> dict[str, int]:
         """K per request: the policy's choice under each cap, or the cap itself in fixed mode."""
@@ -254,7 +256,9 @@ class Scheduler:
                             new_tokens=[] if run.started_target else run.request.prompt_ids + run.generated,
                             draft_tokens=proposals[run.request.req_id].tokens if run.request.req_id in proposals
                             else [], q=proposals[run.request.req_id].q if run.request.req_id in proposals else None,
-                            params=run.request.params) for run in runs]
+                            params=run.request.params,
+                            parents=proposals[run.request.req_id].parents if run.request.req_id in proposals else [])
+                 for run in runs]
         report.target_prefill = sum(len(task.new_tokens) for task in tasks)
         predraft = None
         if drafting and self.predrafting is not None:
@@ -298,7 +302,8 @@ class Scheduler:
                 outcome.req_id, f"the draft worker sent a proposal the target refused: {outcome.error}",
                 "internal", stats=run.stats))
             return
-        proposed = len(proposal.tokens) if proposal is not None else 0
+        # A tree's proposal counts as deep as its longest branch: acceptance is per depth.
+        proposed = proposal.depth if proposal is not None else 0
         run.stats.rounds += 1
         run.stats.proposed += proposed
         run.stats.accepted += outcome.num_accepted
@@ -310,6 +315,8 @@ class Scheduler:
         if update.finished:
             self._retire(outcome.req_id)
         update.num_speculative_tokens, update.proposed, update.accepted = asked, proposed, outcome.num_accepted
+        if proposal is not None and proposal.parents:
+            update.tree_nodes = len(proposal.tokens)
         report.updates.append(update)
 
     def _collect_predraft(self, predraft, verified: bool, report: RoundReport) -> None:
@@ -347,13 +354,14 @@ class Scheduler:
                 assumed, k = heads[req_id].tokens, k - ready.asked
                 report.predraft_kept += len(assumed)
             tasks.append(DraftTask(req_id=req_id, new_tokens=run.unsent_to_draft, num_speculative_tokens=k,
-                                   params=run.request.params, assumed_tokens=assumed))
+                                   params=run.request.params, assumed_tokens=assumed,
+                                   branches=1 if assumed else self.config.tree_branches))
         if not (any(t.num_speculative_tokens for t in tasks) or self.failover.release_draft):
             return proposals
         releases, self.failover.release_draft = self.failover.release_draft, []
         report.draft_catch_up = sum(self.running[t.req_id].draft_backlog for t in tasks if t.num_speculative_tokens)
         report.draft_steps = max((t.num_speculative_tokens for t in tasks), default=0)
-        report.draft_proposed = sum(t.num_speculative_tokens for t in tasks)
+        report.draft_proposed = sum(t.num_speculative_tokens * t.branches for t in tasks)
         start = time.perf_counter()
         try:
             replies = self.draft.propose(tasks, releases)

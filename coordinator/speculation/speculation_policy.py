@@ -109,9 +109,12 @@ class _Chosen:
 
 
 class SpeculationPolicy:
-    def __init__(self, costs: RoundCosts, reference_draft_cost: float):
+    def __init__(self, costs: RoundCosts, reference_draft_cost: float, branches: int = 1):
+        """branches: draft tokens per asked depth (scheduler.tree_branches: a tree's root children,
+        each continued as a chain), each verified and drafted; 1: chains."""
         self.costs = costs
         self.reference_draft_cost = reference_draft_cost  # draft step / target step (seeded requests)
+        self.branches = branches
         self._own: dict[str, Evidence] = {}
         self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
         self._chosen = _Chosen()
@@ -203,19 +206,18 @@ class SpeculationPolicy:
             request, coverage = free[i], estimates[i][1]
             ks[i] += 1
             tokens += worth
-            verify += coverage * v1
+            verify += coverage * v1 * self.branches
             if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
                 if sampled:
                     verify += v2 * batch * (2 if steps == 0 else 1)
                 steps = ks[i]
-            draft_tokens += d2 + (d3 * request.backlog if ks[i] == 1 else 0.0)
+            draft_tokens += d2 * self.branches + (d3 * request.backlog if ks[i] == 1 else 0.0)
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, list(ks)
         return {r.req_id: k for r, k in zip(free, best)}
 
-    @staticmethod
-    def _cannot_pay(free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
+    def _cannot_pay(self, free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
                     costs: tuple[float, ...]) -> bool:
         """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked
         tokens are worth at most min(m * the best worth, all worths) and cost at least a draft
@@ -227,7 +229,7 @@ class SpeculationPolicy:
         for r, (a, c) in zip(free, estimates):
             top, least_coverage, most = max(top, c * a), min(least_coverage, c), most + r.cap
             worths += c * a * (1.0 - a ** r.cap) / (1.0 - a)
-        least = v1 * least_coverage + d2
+        least = (v1 * least_coverage + d2) * self.branches
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + d0 + d1 + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 
@@ -248,7 +250,7 @@ class SpeculationPolicy:
         each row of a sampled batch), in plain rounds of this batch, at least 1: a price below a
         round rests on slopes that few rounds measured."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        price = v1 + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d2 + d3 * request.backlog
+        price = (v1 + d2) * self.branches + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
@@ -259,10 +261,10 @@ class SpeculationPolicy:
             return True
         v0, v1, _, d0, d1, d2, _, overhead = costs
         plain = v0 + v1 + overhead
-        return any((k + 1) * plain > plain + k * (v1 + d1 + d2) + d0 for k in (1, 2, 4))
+        return any((k + 1) * plain > plain + k * ((v1 + d2) * self.branches + d1) + d0 for k in (1, 2, 4))
 
     def _seeded_choice(self, alpha: float, coverage: float, cap: int) -> int:
-        step = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST
+        step = (self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST) * self.branches
         return max(range(cap + 1), key=lambda k: (expected_tokens(alpha, k, coverage) / (1.0 + k * step), k))
 
     # -- learning -------------------------------------------------------------------------------
@@ -323,7 +325,8 @@ def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:
     sampling = False
     for u in report.updates:
         if u.error is None:
-            fed, verified, longest = fed + u.proposed + 1, verified + 1, max(longest, u.proposed)
+            scored = u.proposed if u.tree_nodes is None else u.tree_nodes
+            fed, verified, longest = fed + scored + 1, verified + 1, max(longest, scored)
             sampling = sampling or not greedy.get(u.req_id, True)
     sampled = verified * (longest + 1) if sampling and longest else 0
     return RoundShape(fed, sampled, report.draft_steps, report.draft_proposed, report.draft_catch_up)

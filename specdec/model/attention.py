@@ -21,11 +21,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
-    """[B, 1, Qmax, L] bool (L = batch.context_len): the query at position p sees keys 0..p of its
-    own sequence, which covers causality among the new tokens and hides the padding of shorter
+    """[R, 1, Qmax, L] bool (L = batch.context_len): the query at position p sees keys 0..p of its
+    own attention row (ForwardBatch), which covers causality among the new tokens and hides the padding of shorter
     sequences. None when nothing is hidden (one sequence, one new token): attention then needs no
-    mask at all."""
-    if batch.kv_slots.shape[0] == 1 and batch.token_index.shape[1] == 1:
+    mask at all. A tree node's row holds its visible keys first: the same rule covers it."""
+    if batch.kv_slots.shape[0] == 1 and batch.token_index.shape[1] == 1 and not batch.has_tree:
         return None
     key_positions = torch.arange(batch.context_len, device=batch.positions.device)
     return (key_positions[None, None, :] <= batch.query_positions[:, :, None]).unsqueeze(1)

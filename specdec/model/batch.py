@@ -1,8 +1,10 @@
 """Flattened, ragged batch description for one forward pass over many sequences.
 
 Every sequence contributes a different number of new tokens (a prompt, one decode token, or
-the K+1 tokens of a verify pass). Tokens are flattened to [T]; attention regroups them per
-sequence in a padded [B, Qmax] layout through `token_index`.
+the K+1 tokens of a verify pass). Tokens are flattened to [T]; attention regroups them in a
+padded [R, Qmax] layout through `token_index`, one row per attention row: a sequence's causal
+tokens share its row, and each node of a token tree (TreeNodes) has a row of its own, whose keys
+are the sequence's prefix and the node's path, so siblings never see each other.
 """
 from __future__ import annotations
 
@@ -15,6 +17,18 @@ import torch
 from specdec.kv_cache import PagedKVCache
 
 
+@dataclass(frozen=True)
+class TreeNodes:
+    """The last len(paths) new tokens of a sequence are nodes of a token tree.
+
+    start: the cache index of the tree's first node; every node sees the cache positions before it.
+    paths[j]: the cache indices (ascending, all >= start) of node j's tree ancestors, then its own.
+    Node j then sits at position start + len(paths[j]) - 1 (its depth below the tree's root)."""
+
+    start: int
+    paths: list[list[int]]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
@@ -24,10 +38,10 @@ class ForwardBatch:
     # With one sequence whose blocks are consecutive, its keys are the flat cache rows kv_start ..
     # kv_start + L - 1: attention reads them as a view, with no gather at all (None otherwise).
     kv_start: int | None
-    token_index: torch.Tensor  # [B, Qmax] index into [T] (T = a zero padding row)
-    token_rows: torch.Tensor  # [T] row of each token in the flattened padded [B * Qmax] layout
-    token_seqs: torch.Tensor  # [T] which sequence (row of kv_slots) each token belongs to
-    query_positions: torch.Tensor  # [B, Qmax] absolute positions (0 for padding)
+    token_index: torch.Tensor  # [R, Qmax] index into [T] (T = a zero padding row)
+    token_rows: torch.Tensor  # [T] row of each token in the flattened padded [R * Qmax] layout
+    token_seqs: torch.Tensor  # [T] each token's attention row (row of kv_slots): its sequence's, or its node's
+    query_positions: torch.Tensor  # [R, Qmax] absolute positions (0 for padding)
     logits_indices: torch.Tensor  # [M] which flat tokens need logits
     seq_lens: torch.Tensor  # [B] each sequence's length once this pass's tokens are in
     query_start: torch.Tensor  # [B + 1] sequence b's new tokens are rows query_start[b] .. [b + 1] - 1
@@ -36,79 +50,133 @@ class ForwardBatch:
     all_logits: bool  # logits_indices is every token in order (a decode step): no gather needed
     block_size: int  # tokens per KV block
     context_len: int  # the longest sequence's length once this pass's tokens are in
+    # [R, L] with tree nodes: each attention row's key slots (a node's: the prefix, then its path);
+    # None: one causal row per sequence, derived from the block tables (kv_slots).
+    tree_kv_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def has_tree(self) -> bool:
+        return self.tree_kv_slots is not None
+
     @cached_property
     def kv_slots(self) -> torch.Tensor:
-        """[B, L] flat cache slot of each sequence's key positions 0..L-1 (L = context_len; a
-        shorter sequence's tail points at some slot and is masked): every layer of the torch path
-        and the C kernels gathers its keys through it instead of re-deriving them from the block
-        tables. Made on first use: Triton's attention reads the block tables themselves."""
-        in_block = torch.arange(self.block_size, device=self.block_tables.device)
-        slots = (self.block_tables[:, :, None] * self.block_size + in_block).flatten(1)
-        return slots[:, :self.context_len].contiguous()
+        """[R, L] flat cache slot of each attention row's keys 0..L-1 (L = context_len; a shorter
+        row's tail points at some slot and is masked): every layer of the torch path and the C
+        kernels gathers its keys through it instead of re-deriving them from the block tables. Made
+        on first use: Triton's attention reads the block tables themselves."""
+        if self.tree_kv_slots is not None:
+            return self.tree_kv_slots
+        return sequence_kv_slots(self.block_tables, self.block_size, self.context_len)
+
+
+def sequence_kv_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """[B, length] flat cache slot of each sequence's positions 0..length-1 (block_tables [B, n])."""
+    in_block = torch.arange(block_size, device=block_tables.device)
+    slots = (block_tables[:, :, None] * block_size + in_block).flatten(1)
+    return slots[:, :length].contiguous()
 
 
 def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[list[int]],
-                    num_logits: list[int]) -> ForwardBatch:
+                    num_logits: list[int], trees: list[TreeNodes | None] | None = None) -> ForwardBatch:
     """Append new_tokens[i] to sequence seq_ids[i] in the cache (allocating blocks) and describe
-    the pass. num_logits[i]: logits are produced for that many trailing new tokens of sequence i."""
+    the pass. num_logits[i]: logits are produced for that many trailing new tokens of sequence i.
+    trees[i]: which of sequence i's new tokens are tree nodes (None: all are causal)."""
     device = cache.k.device
+    trees = trees or [None] * len(seq_ids)
     query_lens = [len(t) for t in new_tokens]
     if any(q == 0 for q in query_lens):
         raise ValueError("every sequence in a forward pass needs at least one new token")
-    qmax = max(query_lens)
     total = sum(query_lens)
     input_ids, positions, slots, logits_indices = [], [], [], []
-    token_index, query_positions, token_rows, token_seqs = [], [], [], []
-    for seq_id, toks, n_logits in zip(seq_ids, new_tokens, num_logits):
-        offset, start, pad = len(input_ids), cache.length(seq_id), qmax - len(toks)
+    # Attention rows: (flat indices of the row's tokens, the sequence, a tree node's path or None).
+    rows: list[tuple[list[int], int, list[int] | None]] = []
+    node_rows: list[tuple[int, int, list[int]]] = []  # (row, tree start, path) of each tree node
+    for seq, (seq_id, toks, n_logits, tree) in enumerate(zip(seq_ids, new_tokens, num_logits, trees)):
+        offset, start = len(input_ids), cache.length(seq_id)
         slots += cache.append_slots(seq_id, len(toks))
-        positions += range(start, start + len(toks))
         input_ids += toks
         logits_indices += range(offset + len(toks) - n_logits, offset + len(toks))
-        # The padded [B, Qmax] layout attention regroups tokens in (padding: row `total`).
-        token_index.append(list(range(offset, offset + len(toks))) + [total] * pad)
-        query_positions.append(positions[offset:] + [0] * pad)
-        token_rows += range(len(token_index) * qmax - qmax, len(token_index) * qmax - pad)
-        token_seqs += [len(token_index) - 1] * len(toks)
+        causal = len(toks) - (len(tree.paths) if tree else 0)
+        positions += range(start, start + causal)
+        if causal:
+            rows.append((list(range(offset, offset + causal)), seq, None))
+        for j, path in enumerate(tree.paths if tree else []):
+            if path[-1] != start + causal + j or path[0] < tree.start or path != sorted(set(path)):
+                raise ValueError(f"tree node {j} of {seq_id!r}: path {path} must ascend from the tree start "
+                                 f"{tree.start} to the node's own cache index {start + causal + j}")
+            positions.append(tree.start + len(path) - 1)
+            node_rows.append((len(rows), tree.start, path))
+            rows.append(([offset + causal + j], seq, path))
+    qmax = max(len(tokens) for tokens, _, _ in rows)
+    token_index, query_positions, token_rows, token_seqs = [], [], [0] * total, [0] * total
+    for r, (tokens, _, _) in enumerate(rows):
+        pad = qmax - len(tokens)
+        # The padded [R, Qmax] layout attention regroups tokens in (padding: row `total`).
+        token_index.append(tokens + [total] * pad)
+        query_positions.append([positions[t] for t in tokens] + [0] * pad)
+        for i, t in enumerate(tokens):
+            token_rows[t], token_seqs[t] = r * qmax + i, r
 
     seq_lens = [cache.length(s) for s in seq_ids]
     tables = cache.padded_block_tables(seq_ids)
     parts = [input_ids, positions, slots, token_rows, token_seqs, logits_indices, seq_lens,
              [0, *accumulate(query_lens)], [i for row in token_index for i in row],
-             [p for row in query_positions for p in row], [b for row in tables for b in row]]
+             [p for row in query_positions for p in row], [b for row in tables for b in row],
+             [seq for _, seq, _ in rows]]
     # Every index of the pass crosses to the device in one copy (on a GPU each copy is a
     # blocking transfer of its own), then splits into views.
     host = torch.tensor([v for part in parts for v in part], dtype=torch.long)  # host: copied once below
     (input_ids_t, positions_t, slots_t, token_rows_t, token_seqs_t, logits_indices_t, seq_lens_t, query_start_t,
-     token_index_t, query_positions_t, tables_t) = host.to(device).split([len(part) for part in parts])
+     token_index_t, query_positions_t, tables_t, row_seqs_t) = host.to(device).split([len(part) for part in parts])
     block_tables = tables_t.view(len(seq_ids), len(tables[0]))
     block_size = cache.block_size
+    context_len = max(seq_lens)
     kv_start = None
-    if len(seq_ids) == 1:
+    if len(seq_ids) == 1 and not node_rows:
         table = cache.block_table(seq_ids[0])
         if table == list(range(table[0], table[0] + len(table))):
             kv_start = table[0] * block_size
+    tree_kv_slots = None
+    if node_rows:
+        tree_kv_slots = _tree_kv_slots(block_tables, block_size, context_len, row_seqs_t, node_rows)
     return ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_t,
         slots=slots_t,
         block_tables=block_tables,
         kv_start=kv_start,
-        token_index=token_index_t.view(len(seq_ids), qmax),
+        token_index=token_index_t.view(len(rows), qmax),
         token_rows=token_rows_t,
         token_seqs=token_seqs_t,
-        query_positions=query_positions_t.view(len(seq_ids), qmax),
+        query_positions=query_positions_t.view(len(rows), qmax),
         logits_indices=logits_indices_t,
         seq_lens=seq_lens_t,
         query_start=query_start_t,
         max_query_len=qmax,
-        uniform_query_len=all(q == qmax for q in query_lens),
+        uniform_query_len=not node_rows and all(q == qmax for q in query_lens),
         all_logits=logits_indices == list(range(total)),
         block_size=block_size,
-        context_len=max(seq_lens),
+        context_len=context_len,
+        tree_kv_slots=tree_kv_slots,
     )
+
+
+def _tree_kv_slots(block_tables: torch.Tensor, block_size: int, length: int, row_seqs: torch.Tensor,
+                   node_rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    """[R, length] key slots of every attention row: a sequence's own causal row, or for a tree node
+    the cache indices 0..start-1 and then its path (what its position's keys 0..depth must be)."""
+    device = block_tables.device
+    at_rows, at_keys, values = [], [], []
+    for row, start, path in node_rows:
+        at_rows += [row] * len(path)
+        at_keys += range(start, start + len(path))
+        values += path
+    places = torch.tensor([at_rows, at_keys, values], dtype=torch.long)  # host: copied once below
+    at_rows_t, at_keys_t, values_t = places.to(device)
+    indices = torch.arange(length, device=device).repeat(len(row_seqs), 1)  # [R, L] cache index of each key
+    indices[at_rows_t, at_keys_t] = values_t
+    return sequence_kv_slots(block_tables, block_size, length)[row_seqs].gather(1, indices)

@@ -60,7 +60,8 @@ class GraphedPasses:
         self.replays = 0
 
     def replayable(self, batch: ForwardBatch) -> bool:
-        return (batch.uniform_query_len and batch.all_logits and batch.max_query_len <= MAX_GRAPH_QUERY_LEN
+        return (batch.uniform_query_len and batch.all_logits and not batch.has_tree
+                and batch.max_query_len <= MAX_GRAPH_QUERY_LEN
                 and batch.max_query_len <= self.cache.block_size
                 and batch.block_tables.shape[0] <= self.buckets[-1]
                 and batch.block_tables.shape[1] <= self.table_width

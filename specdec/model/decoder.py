@@ -131,7 +131,8 @@ class Model:
             raise ValueError(f"positions beyond the model's {self.rotary.cos.shape[0]}")
         if self.quantized:  # only the kernels multiply by codes
             raise ValueError("weights held as codes run in specdec's C kernels only")
-        if self.fused_ops:
+        # Token trees attend through per-node rows of keys, which Triton's kernels do not read.
+        if self.fused_ops and not batch.has_tree:
             from specdec.model.gpu_forward import gpu_forward
             return gpu_forward(self, batch, cache)
         c = self.config
@@ -139,7 +140,7 @@ class Model:
         num_tokens = x.shape[0]
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         cos, sin = self.rotary.lookup(batch.positions)
-        paged = self.attention == "triton"
+        paged = self.attention == "triton" and not batch.has_tree
         mask = None if paged else attention_mask(batch)  # the same for every layer
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)

@@ -5,7 +5,7 @@ import torch
 
 from specdec.config import WorkerConfig
 from specdec.kv_cache import PagedKVCache, blocks_for_tokens
-from specdec.model.batch import prepare_forward
+from specdec.model.batch import TreeNodes, prepare_forward
 from specdec.model.cuda_graphs import GraphedPasses
 from specdec.model.decoder import Model, load_model
 from specdec.model.memory_budget import CudaMemory, DeviceMemory, accelerator_num_blocks, bytes_per_block
@@ -57,8 +57,10 @@ class ModelRunner:
     def max_seq_len(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def run(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
+    def run(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int],
+            trees: list[TreeNodes | None] | None = None) -> list[torch.Tensor]:
         """Feed new_tokens[i] to sequence i; return its last num_logits[i] logits rows ([n, V]).
+        trees[i]: which of them are nodes of a token tree (model.batch.TreeNodes; None: a chain).
 
         A pass takes at most `chunk_tokens` new tokens in all: more (a long prompt, or several
         prompts at once) are fed in consecutive passes, each sequence's tokens in order, so a
@@ -68,7 +70,9 @@ class ModelRunner:
         lengths_before = [self.cache.length(s) for s in seq_ids]
         try:
             if sum(map(len, new_tokens)) <= self.chunk_tokens:
-                return list(self._pass(seq_ids, new_tokens, num_logits).split(num_logits))
+                return list(self._pass(seq_ids, new_tokens, num_logits, trees).split(num_logits))
+            if trees and any(trees):
+                return self._chunked_then_tree(seq_ids, new_tokens, num_logits, trees)
             return self._chunked(seq_ids, new_tokens, num_logits)
         except BaseException:
             # Leave the cache as it was so a failed pass (e.g. KV cache full) costs no blocks.
@@ -76,11 +80,32 @@ class ModelRunner:
                 self.cache.truncate_to(seq_id, length)
             raise
 
-    def _pass(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-        batch = prepare_forward(self.cache, seq_ids, new_tokens, num_logits)
+    def _pass(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int],
+              trees: list[TreeNodes | None] | None = None) -> torch.Tensor:
+        batch = prepare_forward(self.cache, seq_ids, new_tokens, num_logits, trees)
         logits = self.graphs.forward(batch) if self.graphs else self.model.forward(batch, self.cache)
         self.forward_passes += 1
         return logits
+
+    def _chunked_then_tree(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int],
+                           trees: list[TreeNodes | None]) -> list[torch.Tensor]:
+        """A pass too long for one chunk: the causal tokens in chunks, then the tree nodes in one
+        pass of their own (a tree is a round's few proposed tokens, after a long prompt)."""
+        nodes = [len(tree.paths) if tree else 0 for tree in trees]
+        causal = [tokens[:len(tokens) - n] for tokens, n in zip(new_tokens, nodes)]
+        causal_logits = [max(0, wanted - n) for wanted, n in zip(num_logits, nodes)]
+        fed = [i for i, tokens in enumerate(causal) if tokens]
+        rows = [[] for _ in seq_ids]
+        for i, part in zip(fed, self._chunked([seq_ids[i] for i in fed], [causal[i] for i in fed],
+                                              [causal_logits[i] for i in fed])):
+            rows[i].append(part)
+        grown = [i for i, n in enumerate(nodes) if n]
+        node_logits = [min(num_logits[i], nodes[i]) for i in grown]
+        tree_pass = self._pass([seq_ids[i] for i in grown], [new_tokens[i][-nodes[i]:] for i in grown], node_logits,
+                               [trees[i] for i in grown])
+        for i, part in zip(grown, tree_pass.split(node_logits)):
+            rows[i].append(part)
+        return [torch.cat(parts) for parts in rows]
 
     def _chunked(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int]) -> list[torch.Tensor]:
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]

@@ -7,6 +7,9 @@ proposal was drafted and thrown away, and which worker process computed it. That
 seeded request reproducible under continuous batching, adaptive K, overlapped drafting and resume
 after a worker restart (see DESIGN.md, "where a request's randomness lives").
 
+A token tree (specdec.sampling.tree) has several nodes at one position: a node's rank among the
+nodes of its depth picks its own stream (rank 0, a chain's only node, keeps the plain one).
+
 Purposes, one independent stream each:
 - DRAFT: the draft's sample of the token it proposes at `position`;
 - ACCEPT: the target's accept test of the draft token at `position`;
@@ -49,17 +52,20 @@ def random_seed() -> int:
 
 
 def uniforms(seeds: Sequence[int], positions: np.ndarray | Sequence, purpose: str,
-             device: torch.device | str | None = None) -> torch.Tensor:
+             device: torch.device | str | None = None, ranks: Sequence[int] | None = None) -> torch.Tensor:
     """Uniforms in [0, 1) as float64: row r at positions[r] for request seed seeds[r], made on
     `device` (default the CPU; elsewhere by the same hash in torch, bit for bit: no copy per call).
 
     positions: [N] or [N, M] absolute token positions (the index of the token in prompt + output)
-    -> a tensor of the same shape.
+    -> a tensor of the same shape. ranks: [N] each row's tree rank (None: all 0).
     """
     pos = np.asarray(positions, dtype=np.int64)
     if pos.size and pos.min() < 0:
         raise ValueError("token positions are >= 0")
-    keys = mix64(np.asarray([int(s) for s in seeds], dtype=np.uint64) ^ _SALT[purpose])
+    streams = np.asarray([int(s) for s in seeds], dtype=np.uint64) ^ _SALT[purpose]
+    if ranks is not None:  # mix64(0) = 0: rank 0 is the plain stream
+        streams = streams ^ mix64(np.asarray(ranks, dtype=np.uint64) * _GAMMA)
+    keys = mix64(streams)
     keys = keys.reshape((len(keys),) + (1,) * (pos.ndim - 1))
     if device is not None and torch.device(device).type != "cpu":
         return _device_uniforms(keys, pos, torch.device(device))

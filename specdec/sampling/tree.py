@@ -1,11 +1,10 @@
 """Verifying a tree of draft tokens (SpecInfer's multi-step speculative sampling), one sequence.
 
 Terms. The draft proposed a prefix tree of N nodes, in depth-first order: node i holds token
-tokens[i] and hangs under parents[i] (-1: under the root, the last committed token). A node's
-children were drawn i.i.d. from one proposal distribution, q[i] for the children of node i and
-q_root for the root's; a chain is the tree where every node has at most one child. The target
-scored every node in one pass: p[i] is its distribution for the token after node i, p_root the
-one after the root.
+tokens[i], hangs under parents[i] (-1: under the root, the last committed token) and was drawn
+from q[i] (siblings drawn i.i.d. share it); a chain is the tree where every node has at most one
+child. The target scored every node in one pass: p[i] is its distribution for the token after
+node i, p_root the one after the root.
 
 The walk. At a node, try its children in their order; child c is accepted with probability
 min(1, r(c) / q(c)), where r starts as the node's p; after a rejection r becomes
@@ -13,13 +12,14 @@ norm(max(0, r - q)). An accepted child becomes the node; when every child is rej
 node has none (the bonus), the next token is sampled from r and the walk ends. Each try is the
 chain's rule aimed at r with proposal q, so its outcome (c, or a sample of the residual) is
 distributed as r; the residual is what the later tries and the final sample then aim at. With the
-children drawn independently of each other, the committed tokens are distributed exactly as the
-target's (SpecInfer, Miao et al. 2024, Theorem 4.2). Children drawn without replacement (top-b)
+children drawn independently of each other (each from its own q[c], the same q for i.i.d. draws),
+the committed tokens are distributed exactly as the target's (SpecInfer, Miao et al. 2024,
+Theorem 4.2). Children drawn without replacement (top-b)
 need another rule (SpecTr, Sequoia) and are not handled here. Greedy: the child equal to the
 argmax of p, if any, is accepted; then the argmax is the next token.
 
-Randomness is explicit: u_accept[i] is the uniform of node i's accept test, u_next[j] the
-uniform of the final sample when the walk ends at node j (j = N: the root).
+Randomness is explicit: u_accept[i] is the uniform of node i's accept test, u_next[d] the
+uniform of the final sample when the walk ends at depth d (after d accepted nodes).
 """
 from __future__ import annotations
 
@@ -31,43 +31,41 @@ from specdec.sampling.speculative import sample_from_probs
 def tree_verify(
     p_root: torch.Tensor,  # [V] target probs after the root
     p: torch.Tensor,  # [N, V] target probs after each node
-    q_root: torch.Tensor,  # [V] the distribution the root's children were drawn from
-    q: torch.Tensor,  # [N, V] the distribution node i's children were drawn from (unused for leaves)
+    q: torch.Tensor | None,  # [N, V] the distribution node i was drawn from (None when greedy)
     tokens: list[int],  # [N] draft token of each node, depth-first order
     parents: list[int],  # [N] parent node of each node, -1 for the root
     greedy: bool,
     u_accept: torch.Tensor,  # [N] float64 uniform of each node's accept test
-    u_next: torch.Tensor,  # [N + 1] float64 uniform of the final sample, by the node the walk ends at
+    u_next: torch.Tensor,  # [depth + 1] float64 uniform of the final sample, by the depth the walk ends at
 ) -> tuple[list[int], int]:
     """-> (accepted nodes from the root down, next token)."""
     path: list[int] = []
     node = -1
     while True:
         r = (p_root if node < 0 else p[node]).double()
-        proposal = (q_root if node < 0 else q[node]).double()
         children = [i for i, parent in enumerate(parents) if parent == node]
-        child, r = _try_children(r, proposal, children, tokens, greedy, u_accept)
+        child, r = _try_children(r, q, children, tokens, greedy, u_accept)
         if child is None:  # r: the node's p (no children, the bonus) or the last residual
             break
         path.append(child)
         node = child
     if greedy:
         return path, int(r.argmax())
-    return path, int(sample_from_probs(r[None], u_next[node][None])[0])
+    return path, int(sample_from_probs(r[None], u_next[len(path)][None])[0])
 
 
-def _try_children(r: torch.Tensor, q: torch.Tensor, children: list[int], tokens: list[int], greedy: bool,
+def _try_children(r: torch.Tensor, q: torch.Tensor | None, children: list[int], tokens: list[int], greedy: bool,
                   u_accept: torch.Tensor) -> tuple[int | None, torch.Tensor]:
     """(the accepted child or None, the distribution the next token is then drawn from)."""
     if greedy:
         best = int(r.argmax())
         return next((c for c in children if tokens[c] == best), None), r
     for child in children:
-        token = tokens[child]
+        token, proposal = tokens[child], q[child].double()
         # u < min(1, r/q) without a division, as in the chain's rule.
-        if r[token] > 0 and (r[token] >= q[token] or u_accept[child] * q[token] < r[token]):
+        if r[token] > 0 and (r[token] >= proposal[token] or u_accept[child] * proposal[token] < r[token]):
             return child, r
-        r = residual_after_rejection(r, q)
+        r = residual_after_rejection(r, proposal)
     return None, r
 
 
@@ -76,3 +74,38 @@ def residual_after_rejection(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     residual = (r - q).clamp_min(0)
     total = residual.sum()
     return residual / total if total > 0 else r
+
+
+def is_chain(parents: list[int]) -> bool:
+    """Whether the tree `parents` describes is a chain (each node follows the one before it)."""
+    return all(parent == i - 1 for i, parent in enumerate(parents))
+
+
+def depths_and_ranks(parents: list[int]) -> tuple[list[int], list[int]]:
+    """Each node's depth (1: a child of the root) and rank among the nodes of its depth in
+    depth-first order (0 for every node of a chain): the rank picks a node's uniforms."""
+    depths, ranks, seen = [], [], {}
+    for parent in parents:
+        depth = 1 if parent < 0 else depths[parent] + 1
+        ranks.append(seen.get(depth, 0))
+        seen[depth] = ranks[-1] + 1
+        depths.append(depth)
+    return depths, ranks
+
+
+def node_paths(parents: list[int], start: int) -> list[list[int]]:
+    """Each node's path as cache indices (its ancestors', then its own), nodes stored from `start`
+    in depth-first order."""
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [start + i])
+    return paths
+
+
+def tree_problem(parents: list[int], num_tokens: int) -> str | None:
+    """Why `parents` is not a tree of num_tokens nodes in depth-first order, or None."""
+    if len(parents) != num_tokens:
+        return f"a tree of {num_tokens} tokens needs {num_tokens} parents, got {len(parents)}"
+    if any(not -1 <= parent < i for i, parent in enumerate(parents)):
+        return "each node's parent must come before it (depth-first order) or be -1 (the last committed token)"
+    return None

@@ -41,30 +41,34 @@ class SparseDist(_message.Message):
     def __init__(self, row_lengths: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("req_id", "new_tokens", "num_speculative_tokens", "params", "assumed_tokens")
+    __slots__ = ("req_id", "new_tokens", "num_speculative_tokens", "params", "assumed_tokens", "branches")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_speculative_tokens: int
     params: SamplingParams
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    branches: int
+    def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("req_id", "tokens", "q", "draft_forward_passes")
+    __slots__ = ("req_id", "tokens", "q", "draft_forward_passes", "parents")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: SparseDist
     draft_forward_passes: int
-    def __init__(self, req_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDist, _Mapping]] = ..., draft_forward_passes: _Optional[int] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDist, _Mapping]] = ..., draft_forward_passes: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRoundRequest(_message.Message):
     __slots__ = ("tasks", "finished")
@@ -93,18 +97,20 @@ class DraftInfo(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., extra_json: _Optional[str] = ...) -> None: ...
 
 class VerifyTask(_message.Message):
-    __slots__ = ("req_id", "new_tokens", "draft_tokens", "q", "params")
+    __slots__ = ("req_id", "new_tokens", "draft_tokens", "q", "params", "parents")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: SparseDist
     params: SamplingParams
-    def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDist, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[SparseDist, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyOutcome(_message.Message):
     __slots__ = ("req_id", "num_accepted", "tokens", "error")

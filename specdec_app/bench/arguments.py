@@ -12,7 +12,10 @@ from specdec.model.source import resolve_model_source
 from specdec_app.bench import overlap as overlap_bench
 from specdec_app.flags import add_settings, format_default
 
-ALL_SYSTEMS = ["engine", "spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed", "hf", "hf-assisted"]
+ALL_SYSTEMS = ["engine", "spec-draft", "spec-draft-fixed", "spec-draft-tree", "spec-draft-tree-fixed", "spec-ngram",
+               "spec-ngram-fixed", "hf", "hf-assisted"]
+TREE_SYSTEMS = ["spec-draft-tree", "spec-draft-tree-fixed"]
+DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if s not in TREE_SYSTEMS]  # trees: asked for by name
 DEFAULT_SWEEP = "1,2,3,4,6,8"
 # The shipped prompt sets (JSONL, {"prompt": text, "source": ...} per line), by the name --prompt-sets uses.
 PROMPT_SETS = {"code": "models/heldout_prompts.jsonl", "prose": "models/prose_prompts.jsonl"}
@@ -38,6 +41,16 @@ def _float_list(text: str) -> list[float]:
     if not values or any(not (v >= 0 and math.isfinite(v)) for v in values):
         raise argparse.ArgumentTypeError(f"temperatures must be finite and >= 0, got {text!r}")
     return values
+
+
+def _tree_branches(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 2 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"expected an integer in [2, 16], got {text!r}")
+    return value
 
 
 def _systems(text: str) -> list[str]:
@@ -75,8 +88,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int_list, default=None, help="comma-separated (default 1,8)")
     parser.add_argument("--temperatures", type=_float_list, default=[0.0, 0.8],
                         help="comma-separated; 0 = greedy (default 0,0.8)")
-    parser.add_argument("--systems", type=_systems, default=list(ALL_SYSTEMS),
-                        help=f"subset of {','.join(ALL_SYSTEMS)} (default: all)")
+    parser.add_argument("--systems", type=_systems, default=list(DEFAULT_SYSTEMS),
+                        help=f"subset of {','.join(ALL_SYSTEMS)} (default: all but {','.join(TREE_SYSTEMS)})")
+    parser.add_argument("--tree-branches", type=_tree_branches, default=3,
+                        help="children of the root in the tree systems' drafts (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system (default 2)")
     parser.add_argument("--seed", type=int, default=0,
                         help="base seed of HF's sampled runs (specdec's sampled requests are unseeded, like "

@@ -112,7 +112,8 @@ def run(args) -> int:
             return 2
     first_set = next(iter(prompt_sets))
     every_prompt = [p for ids, _ in prompt_sets.values() for p in ids]
-    kv_blocks = kv_blocks_for(every_prompt, max_new, max([k] + sweep_ks), max(batch_sizes))
+    tree_nodes = k * args.tree_branches if any(SYSTEMS[s].tree for s in systems) else 0  # a tree's nodes
+    kv_blocks = kv_blocks_for(every_prompt, max_new, max([k, tree_nodes] + sweep_ks), max(batch_sizes))
     for name, (ids, _) in prompt_sets.items():
         log(f"specdec bench: prompt set {name}: {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} "
             f"tokens) from {set_files[name]}")
@@ -137,7 +138,8 @@ def run(args) -> int:
         spec = SYSTEMS[key]
         if key in SPECDEC_SYSTEMS:
             built[key] = EngineSystem(key, target, drafter_paths[spec.drafter], k, kv_blocks, max(batch_sizes),
-                                      adaptive=spec.adaptive, weights=weights)
+                                      adaptive=spec.adaptive, weights=weights,
+                                      tree_branches=args.tree_branches if spec.tree else 1)
         else:
             hf_target = hf_target if hf_target is not None else load_hf(target)
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)
@@ -244,6 +246,9 @@ def run(args) -> int:
     if results:
         print(report.format_breakdown(results))
         print()
+        if any(SYSTEMS[r.system].tree for r in results):
+            print(report.format_depths(results))
+            print()
         print(report.format_targets(targets))
         if oracle:
             print()

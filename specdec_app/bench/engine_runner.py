@@ -41,6 +41,8 @@ class _RoundTally:
         self.tested = self.accepted = self.rounds_without_draft = 0
         self.k_counts: Counter[int] = Counter()
         self.draft_steps = 0
+        self.nodes = self.passes_with_draft = 0
+        self.by_depth: list[list[int]] = []  # [accepted, tested] at depth 1, 2, ..
 
     def __call__(self, report) -> None:
         self.draft_seconds += report.draft_seconds
@@ -55,6 +57,13 @@ class _RoundTally:
                 continue
             self.accepted += update.accepted
             self.tested += update.accepted + (1 if update.accepted < update.proposed else 0)
+            self.nodes += update.proposed if update.tree_nodes is None else update.tree_nodes
+            self.passes_with_draft += 1
+            while len(self.by_depth) < update.proposed:
+                self.by_depth.append([0, 0])
+            for depth in range(min(update.accepted + 1, update.proposed)):  # depths tested: up to the first miss
+                self.by_depth[depth][0] += int(depth < update.accepted)
+                self.by_depth[depth][1] += 1
 
 
 class EngineSystem:
@@ -66,15 +75,17 @@ class EngineSystem:
 
     def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
                  max_batch_size: int, adaptive: bool = True, cpu_kernels: bool = True,
-                 weights: tuple[str, str] = ("auto", "auto")):
-        """weights: the target's and the draft's weight formats (specdec.model.quantized)."""
+                 weights: tuple[str, str] = ("auto", "auto"), tree_branches: int = 1):
+        """weights: the target's and the draft's weight formats (specdec.model.quantized);
+        tree_branches: more than 1 drafts token trees (scheduler.tree_branches)."""
         self.key = key
         self.label = SYSTEMS[key].label
         self.k = k if draft is not None else None
         self.adaptive = adaptive if draft is not None else None
         self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
                                   adaptive=adaptive, kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size,
-                                  cpu_kernels=cpu_kernels, target_weights=weights[0], draft_weights=weights[1])
+                                  cpu_kernels=cpu_kernels, target_weights=weights[0], draft_weights=weights[1],
+                                  tree_branches=tree_branches)
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
             k: int | None = None, bar=None, prompt_set: str = "") -> RunResult:
@@ -111,6 +122,8 @@ class EngineSystem:
             result.rounds_without_draft = tally.rounds_without_draft
             result.k_histogram = {str(n): tally.k_counts.get(n, 0) for n in range(max([k, *tally.k_counts]) + 1)}
             result.draft_steps = tally.draft_steps
+            result.acceptance_by_depth = [round(a / t, 4) for a, t in tally.by_depth if t]
+            result.nodes_per_pass = tally.nodes / tally.passes_with_draft if tally.passes_with_draft else None
             speculation_rates(result)
         result.draft_seconds = tally.draft_seconds
         result.verify_seconds = tally.verify_seconds

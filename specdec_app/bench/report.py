@@ -204,6 +204,22 @@ def format_breakdown(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def format_depths(results: list[RunResult]) -> str:
+    """Chains and trees side by side: draft tokens verified per target pass, acceptance per depth."""
+    rows = [r for r in results if not r.skipped and r.nodes_per_pass is not None]
+    if not rows:
+        return ""
+    width = max(len(r.label) for r in rows) + 2
+    set_width = max([len(r.prompt_set) for r in rows] + [7]) + 2
+    lines = ["draft tokens verified per target pass, and acceptance at each depth (accepted / tested):",
+             f"  {'prompts':<{set_width}}{'system':<{width}}{'batch':>5}  {'mode':<7}{'nodes':>7}  by depth"]
+    for r in rows:
+        depths = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
+        lines.append(f"  {r.prompt_set:<{set_width}}{r.label:<{width}}{r.batch:>5}  {r.mode:<7}"
+                     f"{r.nodes_per_pass:>7.2f}  {depths}")
+    return "\n".join(lines)
+
+
 def format_costs(costs_by_set: dict[str, dict] | None) -> str:
     if not costs_by_set:
         return "cost ratio c: not measured"

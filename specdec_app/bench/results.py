@@ -15,18 +15,22 @@ class SystemSpec(NamedTuple):
     batch1_only: bool
     drafter: str | None = None  # specdec's drafter: "model", "ngram", or None (plain decoding, and HF)
     adaptive: bool = False  # specdec chooses K per request and round (its default) instead of always K
+    tree: bool = False  # drafts token trees (--tree-branches children of the root) instead of chains
 
 
 SYSTEMS = {
     "engine": SystemSpec("specdec plain", False, False),
     "spec-draft": SystemSpec("specdec + draft model", True, False, "model", adaptive=True),
     "spec-draft-fixed": SystemSpec("specdec + draft model (fixed K)", True, False, "model"),
+    "spec-draft-tree": SystemSpec("specdec + draft model, tree", True, False, "model", adaptive=True, tree=True),
+    "spec-draft-tree-fixed": SystemSpec("specdec + draft model, tree (fixed K)", True, False, "model", tree=True),
     "spec-ngram": SystemSpec("specdec + n-gram", False, False, "ngram", adaptive=True),
     "spec-ngram-fixed": SystemSpec("specdec + n-gram (fixed K)", False, False, "ngram"),
     "hf": SystemSpec("HF generate", False, False),
     "hf-assisted": SystemSpec("HF assisted (draft)", True, True),
 }
-SPECDEC_SYSTEMS = ("engine", "spec-draft", "spec-draft-fixed", "spec-ngram", "spec-ngram-fixed")
+SPECDEC_SYSTEMS = ("engine", "spec-draft", "spec-draft-fixed", "spec-draft-tree", "spec-draft-tree-fixed", "spec-ngram",
+                   "spec-ngram-fixed")
 SPECULATIVE_SYSTEMS = tuple(key for key in SPECDEC_SYSTEMS if SYSTEMS[key].drafter is not None)
 
 
@@ -68,6 +72,10 @@ class RunResult:
     k_histogram: dict[str, int] | None = None
     mean_k: float | None = None
     draft_steps: int | None = None  # sum over rounds of the largest K asked in the round
+    # Token trees: accepted / tested at each depth (1, 2, ..), and the draft tokens (nodes) each
+    # target pass verified on average (a chain's: its proposed tokens).
+    acceptance_by_depth: list[float] | None = None
+    nodes_per_pass: float | None = None
     # Where the wall time went (specdec only): draft worker, target worker, the rest (scheduler,
     # stop conditions, Python glue).
     draft_seconds: float | None = None
@@ -120,6 +128,12 @@ def pool_runs(runs: list[RunResult]) -> RunResult:
             counts.update({int(n): c for n, c in (r.k_histogram or {}).items()})
         pooled.k_histogram = {str(n): counts[n] for n in range(max(counts, default=0) + 1)}
     pooled.tokens_per_s = pooled.tokens / pooled.seconds if pooled.seconds > 0 else None
+    if all(r.nodes_per_pass is not None for r in runs):
+        pooled.nodes_per_pass = sum(r.nodes_per_pass for r in runs) / len(runs)
+    if all(r.acceptance_by_depth for r in runs):  # each run's rate, averaged, as deep as every run went
+        depths = min(len(r.acceptance_by_depth) for r in runs)
+        pooled.acceptance_by_depth = [round(sum(r.acceptance_by_depth[d] for r in runs) / len(runs), 4)
+                                      for d in range(depths)]
     if all(r.mean_accepted_length for r in runs):  # tokens / passes, whatever each system counts as a pass
         pooled.mean_accepted_length = pooled.tokens / sum(r.tokens / r.mean_accepted_length for r in runs)
     speculation_rates(pooled)

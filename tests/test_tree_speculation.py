@@ -1,0 +1,109 @@
+"""Token trees end to end (scheduler.tree_branches): greedy output is the target's own, token for
+token, for every drafter and with K fixed or chosen per round; a seeded sampled request gives the
+same tokens with trees as alone or in a batch; the target and the draft keep only the accepted
+path in their caches; a malformed tree is refused without touching the round's other requests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LocalEngine, SamplingParams
+from specdec.round_types import DraftTask, VerifyTask
+from target_worker.worker import TargetWorker
+
+from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy, use_policy
+
+PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150], list(range(40, 72))]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = build_checkpoint(tmp_path_factory.mktemp("tree-target"), seed=0, **CONFIGS["gqa_untied"])
+    return {"target": str(target), "self": str(target),
+            "perturbed": str(perturbed_copy(target, tmp_path_factory.mktemp("tree-perturbed"), noise=0.3)),
+            "random": str(build_checkpoint(tmp_path_factory.mktemp("tree-random"), seed=7,
+                                           **{**CONFIGS["gqa_untied"], "num_hidden_layers": 1})),
+            "ngram": "ngram"}
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    return [hf_greedy(models["target"], p, NEW_TOKENS) for p in PROMPTS]
+
+
+def tree_rounds(engine: LocalEngine) -> list[int]:
+    """Counts, round by round, the verify tasks that carried a tree (wraps the target's verify)."""
+    counts, verify = [], engine.scheduler.target.verify
+
+    def counted(tasks, finished):
+        counts.append(sum(bool(t.parents) for t in tasks))
+        return verify(tasks, finished)
+
+    engine.scheduler.target.verify = counted
+    return counts
+
+
+def assert_caches_empty(engine: LocalEngine) -> None:
+    for cache in (engine.target_worker.cache, engine.draft_worker.drafter.kv_cache):
+        if cache is not None:
+            cache.check_accounting()
+            assert cache.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("drafter", ["perturbed", "self", "random", "ngram"])
+@pytest.mark.parametrize("policy", ["fixed", "jumping"])
+def test_greedy_trees_give_the_targets_tokens(models, references, drafter, policy):
+    engine = use_policy(LocalEngine(models["target"], draft=models[drafter], num_speculative_tokens=3,
+                                    kv_block_size=8, adaptive=False, tree_branches=3), policy)
+    trees = tree_rounds(engine)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == references
+    if drafter != "ngram":  # (the n-gram drafter's trees need earlier matches followed by different tokens)
+        assert sum(trees) > 0
+    if drafter == "self":  # the target drafting for itself: its first branch is always kept
+        assert all(o.stats.acceptance_rate == 1.0 for o in outputs)
+    assert_caches_empty(engine)
+
+
+def test_seeded_trees_are_reproducible_alone_and_in_a_batch(models):
+    engine = LocalEngine(models["target"], draft=models["perturbed"], num_speculative_tokens=3, adaptive=False,
+                         tree_branches=2)
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, seed=11 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    params[3] = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.7, top_k=20, top_p=0.9, seed=2**64 - 1,
+                               ignore_eos=True)
+    batched = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(PROMPTS, params)]
+    assert batched == alone
+    assert_caches_empty(engine)
+
+
+def test_a_trees_first_branch_is_the_chain(models):
+    """Rank 0 keeps the plain uniform streams: a tree's first branch is the chain the same request
+    drafts without a tree (tokens and q), and the other branches draw from their own streams."""
+    def propose(branches: int):
+        drafter = LocalEngine(models["target"], draft=models["perturbed"]).draft_worker.drafter
+        tasks = [DraftTask(f"r{i}", prompt, 4, SamplingParams(temperature=1.0, seed=3 + i), branches=branches)
+                 for i, prompt in enumerate(PROMPTS)]
+        return drafter.propose(tasks)
+
+    for chain, tree in zip(propose(1), propose(3)):
+        assert tree.parents == [-1, 0, 1, 2, -1, 4, 5, 6, -1, 8, 9, 10] and not chain.parents
+        assert tree.tokens[:4] == chain.tokens and tree.depth == chain.depth == 4
+        assert torch.equal(tree.q.probs[:4], chain.q.probs) and torch.equal(tree.q.token_ids[:4], chain.q.token_ids)
+        assert torch.equal(tree.q.probs[4], tree.q.probs[0])  # siblings: one distribution, drawn i.i.d.
+    assert any(len({p.tokens[0], p.tokens[4], p.tokens[8]}) > 1 for p in propose(3))  # not one stream thrice
+
+
+def test_a_malformed_tree_fails_its_own_request_only(models):
+    worker = TargetWorker.from_config(LocalEngine(models["target"]).config.target)
+    good = VerifyTask("good", [1, 2, 3], [4, 5], None, SamplingParams(), parents=[-1, -1])
+    bad = VerifyTask("bad", [1, 2, 3], [4, 5], None, SamplingParams(), parents=[1, -1])
+    short = VerifyTask("short", [1, 2, 3], [4, 5], None, SamplingParams(), parents=[-1])
+    outcomes = {o.req_id: o for o in worker.verify([good, bad, short], []).outcomes}
+    assert "parent must come before it" in outcomes["bad"].error
+    assert "needs 2 parents" in outcomes["short"].error
+    assert not outcomes["good"].error and len(outcomes["good"].tokens) in (1, 2)
+    worker.cache.check_accounting()
+    assert worker.cache.length("good") == 3 + outcomes["good"].num_accepted

@@ -1,11 +1,11 @@
 """A draft token tree grown a depth per draft step: `branches` children of the root, each continued
 as a chain (specdec.sampling.tree: a chain is the tree of width 1).
 
-The root's children are drawn from one distribution: i.i.d. for a sampled request (each with its
-own rank's uniform, so each is a draw from the q sent with it), the top `branches` tokens for a
-greedy one (greedy acceptance compares tokens, so any children are fine). From then on each
-branch's leaf is fed in one pass with the others, attending to its own path only
-(model.batch.TreeNodes), and picks the branch's next token. The nodes fed stay in the draft's cache
+The root's children: for a sampled request, drawn from q without replacement (distinct_children),
+each sent with the distribution it was drawn from, so the target's walk tests it against exactly
+that; for a greedy one, the top `branches` tokens (greedy acceptance compares tokens, so any
+children are fine). From then on each branch's leaf is fed in one pass with the others, attending
+to its own path only (model.batch.TreeNodes), and picks the branch's next token. The nodes fed stay in the draft's cache
 after the round (DraftedTree); the next round keeps the path the target accepted, moved into place.
 """
 from __future__ import annotations
@@ -15,6 +15,33 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.model.batch import TreeNodes
+from specdec.sampling import DRAFT, sample_from_probs, uniforms
+
+QRow = tuple[torch.Tensor, torch.Tensor]  # a sparse distribution: ids [n], probs [n]
+
+
+def distinct_children(first: int, q: QRow, count: int, seed: int | None, position: int) -> tuple[list[int], list[QRow]]:
+    """Up to `count` distinct children of one node, drawn from q without replacement: `first` (drawn
+    from q itself with the rank-0 uniform: the chain's token), then child j from q with the earlier
+    children removed and renormalised, with the rank-j DRAFT uniform at `position`. Each comes with
+    the distribution it was drawn from: the walk's rule (try each child against its own q, the
+    residual after each rejection) is then Sequoia's for sampling without replacement, exact because
+    each child, given the ones before, is distributed as its q. Fewer children where q has fewer
+    tokens. An i.i.d. second draw repeats the first child as often as q favours it, and a repeat of
+    a rejected token is always rejected: distinct children are what a tree's width is for."""
+    ids, probs = q
+    tokens, rows = [first], [q]
+    for rank in range(1, count):
+        taken = torch.isin(ids, torch.tensor(tokens, device=ids.device))
+        left = probs.masked_fill(taken, 0.0)
+        total = float(left.sum())
+        if total <= 0.0:
+            break
+        left = left / total
+        pick = int(sample_from_probs(left[None], uniforms([seed], [position], DRAFT, ids.device, [rank]))[0])
+        tokens.append(int(ids[pick]))
+        rows.append((ids, left))
+    return tokens, rows
 
 
 @dataclass
@@ -41,12 +68,19 @@ class TreeGrowth:
     """One request's tree while it is drafted: its branches' tokens, q rows and cache paths."""
 
     def __init__(self, branches: int, start: int):
-        self.branches = branches
+        self.branches = branches  # asked for; the root's children may be fewer (add_root)
         self.start = start  # the cache index of the first node fed
-        self.tokens: list[list[int]] = [[] for _ in range(branches)]
-        self.q_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(branches)]
-        self.paths: list[list[int]] = [[] for _ in range(branches)]  # cache indices of each branch's fed nodes
+        self.tokens: list[list[int]] = []
+        self.q_rows: list[list[QRow]] = []
+        self.paths: list[list[int]] = []  # cache indices of each branch's fed nodes
         self.cached = DraftedTree()
+
+    def add_root(self, tokens: list[int], q_rows: list[QRow | None]) -> None:
+        """The root's children: one branch each."""
+        self.branches = len(tokens)
+        self.tokens = [[token] for token in tokens]
+        self.q_rows = [[q] if q is not None else [] for q in q_rows]
+        self.paths = [[] for _ in tokens]
 
     def leaves(self, cache_length: int) -> tuple[list[int], TreeNodes]:
         """Feed each branch's last token (at cache_length + j): (the tokens, their tree)."""
@@ -56,13 +90,14 @@ class TreeGrowth:
             path.append(cache_length + j)
         return [branch[-1] for branch in self.tokens], TreeNodes(self.start, [list(p) for p in self.paths])
 
-    def add(self, tokens: list[int], q_rows: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    def add(self, tokens: list[int], q_rows: list[QRow | None]) -> None:
+        """Each branch's next token."""
         for j, (token, q) in enumerate(zip(tokens, q_rows)):
             self.tokens[j].append(token)
             if q is not None:
                 self.q_rows[j].append(q)
 
-    def proposal(self) -> tuple[list[int], list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    def proposal(self) -> tuple[list[int], list[int], list[QRow]]:
         """(tokens, parents, q rows) in depth-first order: branch 0's chain, then branch 1's, ..."""
         tokens, parents, rows = [], [], []
         for branch, q in zip(self.tokens, self.q_rows):

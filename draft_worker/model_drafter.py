@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_worker.draft_tree import DraftedTree, TreeGrowth
+from draft_worker.draft_tree import DraftedTree, TreeGrowth, distinct_children
 from draft_worker.drafter import Drafter
 from specdec.kv_cache import PagedKVCache
 from specdec.model.runner import ModelRunner
@@ -177,20 +177,18 @@ class ModelDrafter(Drafter):
             rows, row_params, row_contexts, row_ranks = [], [], [], []
             for req_id, seq, rows_of in zip(ids, seqs, logits):
                 tree = trees.get(req_id)
-                if tree is None:
+                if tree is not None and step == 0 and seq.params.greedy:  # the root's children: its top tokens
+                    tree.add_root(torch.topk(rows_of[0], tree.branches).indices.tolist(), [None] * tree.branches)
+                elif tree is None or step == 0:  # a chain's token, or a sampled tree's first child
                     rows.append(rows_of)
                     row_params.append(seq.params)
                     row_contexts.append(context[req_id] + drafted[req_id])
                     row_ranks.append(0)
-                    continue
-                if step == 0 and seq.params.greedy:  # the root's children: its top tokens
-                    tree.add(torch.topk(rows_of[0], tree.branches).indices.tolist(), [None] * tree.branches)
-                    continue
-                # The root's children are i.i.d. draws from one row; later each branch's own row.
-                rows.append(rows_of.expand(tree.branches, -1) if step == 0 else rows_of)
-                row_params += [seq.params] * tree.branches
-                row_contexts += [context[req_id] + branch for branch in tree.tokens]
-                row_ranks += range(tree.branches)
+                else:  # each branch's next token, from its own row
+                    rows.append(rows_of)
+                    row_params += [seq.params] * tree.branches
+                    row_contexts += [context[req_id] + branch for branch in tree.tokens]
+                    row_ranks += range(tree.branches)
             if rows:
                 tokens, q = choose_tokens(torch.cat(rows), row_params, row_contexts, self.max_q_entries, row_ranks)
                 tokens = tokens.tolist()
@@ -205,7 +203,11 @@ class ModelDrafter(Drafter):
                     if row in q:
                         q_rows[req_id].append(q[row])
                     row += 1
-                elif not (step == 0 and seq.params.greedy):
+                elif step == 0 and not seq.params.greedy:
+                    tree.add_root(*distinct_children(tokens[row], q[row], tree.branches, seq.params.seed,
+                                                     len(context[req_id])))
+                    row += 1
+                elif step > 0:
                     chosen = range(row, row + tree.branches)
                     tree.add([tokens[r] for r in chosen], [q.get(r) for r in chosen])
                     row += tree.branches

@@ -81,7 +81,8 @@ def test_seeded_trees_are_reproducible_alone_and_in_a_batch(models):
 
 def test_a_trees_first_branch_is_the_chain(models):
     """Rank 0 keeps the plain uniform streams: a tree's first branch is the chain the same request
-    drafts without a tree (tokens and q), and the other branches draw from their own streams."""
+    drafts without a tree (tokens and q); the root's other children are drawn without replacement,
+    each from q without the children before it (the distribution sent with it)."""
     def propose(branches: int):
         drafter = LocalEngine(models["target"], draft=models["perturbed"]).draft_worker.drafter
         tasks = [DraftTask(f"r{i}", prompt, 4, SamplingParams(temperature=1.0, seed=3 + i), branches=branches)
@@ -92,8 +93,11 @@ def test_a_trees_first_branch_is_the_chain(models):
         assert tree.parents == [-1, 0, 1, 2, -1, 4, 5, 6, -1, 8, 9, 10] and not chain.parents
         assert tree.tokens[:4] == chain.tokens and tree.depth == chain.depth == 4
         assert torch.equal(tree.q.probs[:4], chain.q.probs) and torch.equal(tree.q.token_ids[:4], chain.q.token_ids)
-        assert torch.equal(tree.q.probs[4], tree.q.probs[0])  # siblings: one distribution, drawn i.i.d.
-    assert any(len({p.tokens[0], p.tokens[4], p.tokens[8]}) > 1 for p in propose(3))  # not one stream thrice
+        firsts = [tree.tokens[i] for i in (0, 4, 8)]
+        assert len(set(firsts)) == 3
+        ids, first_q, second_q = tree.q.token_ids[0], tree.q.probs[0], tree.q.probs[4]
+        assert torch.equal(tree.q.token_ids[4], ids) and float(second_q[ids == firsts[0]].sum()) == 0.0
+        torch.testing.assert_close(second_q, first_q.masked_fill(ids == firsts[0], 0) / first_q[ids != firsts[0]].sum())
 
 
 def test_a_malformed_tree_fails_its_own_request_only(models):

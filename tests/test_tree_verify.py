@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from specdec.sampling import tree as tree_module
 from specdec.sampling.speculative import speculative_verify
-from specdec.sampling.tree import tree_verify
+from specdec.sampling.tree import MAX_TREE_NODES, depths_and_ranks, tree_problem, tree_verify
 
 V = 5
 P_MIN = 1e-3  # chi-square p-value threshold; seeds are fixed, so the tests are deterministic
@@ -105,3 +105,16 @@ def test_greedy_walks_the_targets_argmax_path():
     path, nxt = tree_verify(p_root, p, None, tokens, parents, True, torch.zeros(4, dtype=torch.float64),
                             torch.zeros(3, dtype=torch.float64))
     assert path == [1, 2] and nxt == int(p[2].argmax())
+
+
+def test_depths_and_ranks_pick_each_nodes_uniform_stream():
+    # a(0) -> c(1), d(2); b(3) -> e(4): depth-first order
+    assert depths_and_ranks([-1, 0, 0, -1, 3]) == ([1, 2, 2, 1, 2], [0, 0, 1, 1, 2])
+    assert depths_and_ranks([-1, 0, 1]) == ([1, 2, 3], [0, 0, 0])  # a chain: the plain streams
+
+
+def test_malformed_trees_are_named():
+    assert tree_problem([-1, 0], 2) is None
+    assert "parent must come before it" in tree_problem([1, -1], 2)
+    assert "needs 3 parents" in tree_problem([-1, 0], 3)
+    assert "at most" in tree_problem([-1] * (MAX_TREE_NODES + 1), MAX_TREE_NODES + 1)

@@ -7,16 +7,16 @@ child. The target scored every node in one pass: p[i] is its distribution for th
 node i, p_root the one after the root.
 
 The walk. At a node, try its children in their order; child c is accepted with probability
-min(1, r(c) / q(c)), where r starts as the node's p; after a rejection r becomes
-norm(max(0, r - q)). An accepted child becomes the node; when every child is rejected, or the
+min(1, r(c) / q[c](c)), where r starts as the node's p; after a rejection r becomes
+norm(max(0, r - q[c])). An accepted child becomes the node; when every child is rejected, or the
 node has none (the bonus), the next token is sampled from r and the walk ends. Each try is the
 chain's rule aimed at r with proposal q, so its outcome (c, or a sample of the residual) is
-distributed as r; the residual is what the later tries and the final sample then aim at. With the
-children drawn independently of each other (each from its own q[c], the same q for i.i.d. draws),
-the committed tokens are distributed exactly as the target's (SpecInfer, Miao et al. 2024,
-Theorem 4.2). Children drawn without replacement (top-b)
-need another rule (SpecTr, Sequoia) and are not handled here. Greedy: the child equal to the
-argmax of p, if any, is accepted; then the argmax is the next token.
+distributed as r; the residual is what the later tries and the final sample then aim at. The
+committed tokens are distributed exactly as the target's whenever each child, given the children
+tried before it, is distributed as its own q[c]: children drawn independently (SpecInfer, Miao et
+al. 2024, Theorem 4.2), and children drawn without replacement with q[c] the node's distribution
+less the earlier children, renormalised (Sequoia's rule, Chen et al. 2024). Greedy: the child
+equal to the argmax of p, if any, is accepted; then the argmax is the next token.
 
 Randomness is explicit: u_accept[i] is the uniform of node i's accept test, u_next[d] the
 uniform of the final sample when the walk ends at depth d (after d accepted nodes).
@@ -102,8 +102,15 @@ def node_paths(parents: list[int], start: int) -> list[list[int]]:
     return paths
 
 
+# The most nodes a tree may have: 16 branches of the longest chain a request may ask for (64). A
+# pass gives each node a row of key slots as long as the context, so the bound keeps that finite.
+MAX_TREE_NODES = 16 * 64
+
+
 def tree_problem(parents: list[int], num_tokens: int) -> str | None:
     """Why `parents` is not a tree of num_tokens nodes in depth-first order, or None."""
+    if num_tokens > MAX_TREE_NODES:
+        return f"a tree may have at most {MAX_TREE_NODES} nodes, got {num_tokens}"
     if len(parents) != num_tokens:
         return f"a tree of {num_tokens} tokens needs {num_tokens} parents, got {len(parents)}"
     if any(not -1 <= parent < i for i, parent in enumerate(parents)):

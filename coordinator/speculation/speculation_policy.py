@@ -10,7 +10,7 @@ The model:
   DECAY every round the request takes part in (at K = 0 too: old evidence gives way to the
   prior). The prior is the pool: the same estimates over all requests of the same kind (greedy or
   sampled), fading by DECAY per PRIOR_WEIGHT tokens, from INITIAL_ACCEPTANCE and coverage 1.
-- A round's seconds for given K's: RoundCosts, learnt online from the rounds that ran.
+- A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is `branches` tokens).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
   bound settles the rounds where no token could pay, and the next ones too while nothing that

@@ -1,5 +1,6 @@
 """A draft token tree grown a depth per draft step: `branches` children of the root, each continued
-as a chain (specdec.sampling.tree: a chain is the tree of width 1).
+as a chain, the first K deep and the others side_depth deep (specdec.sampling.tree: a chain is the
+tree of width 1).
 
 The root's children: for a sampled request, drawn from q without replacement (distinct_children),
 each sent with the distribution it was drawn from, so the target's walk tests it against exactly
@@ -67,32 +68,41 @@ class DraftedTree:
 class TreeGrowth:
     """One request's tree while it is drafted: its branches' tokens, q rows and cache paths."""
 
-    def __init__(self, branches: int, start: int):
+    def __init__(self, branches: int, start: int, depth: int, side_depth: int):
         self.branches = branches  # asked for; the root's children may be fewer (add_root)
         self.start = start  # the cache index of the first node fed
+        self.depths = [depth] + [min(depth, side_depth) if side_depth else depth] * (branches - 1)
         self.tokens: list[list[int]] = []
         self.q_rows: list[list[QRow]] = []
         self.paths: list[list[int]] = []  # cache indices of each branch's fed nodes
+        self.last_fed: list[int] = []  # each branch's last node in `cached` (-1: none yet)
+        self.growing: list[int] = []  # the branches fed in this step: they take its next tokens
         self.cached = DraftedTree()
 
     def add_root(self, tokens: list[int], q_rows: list[QRow | None]) -> None:
         """The root's children: one branch each."""
-        self.branches = len(tokens)
+        self.branches, self.depths = len(tokens), self.depths[:len(tokens)]
         self.tokens = [[token] for token in tokens]
         self.q_rows = [[q] if q is not None else [] for q in q_rows]
         self.paths = [[] for _ in tokens]
+        self.last_fed = [-1] * len(tokens)
 
-    def leaves(self, cache_length: int) -> tuple[list[int], TreeNodes]:
-        """Feed each branch's last token (at cache_length + j): (the tokens, their tree)."""
-        for j, path in enumerate(self.paths):
-            self.cached.parents.append(len(self.cached.tokens) - self.branches if path else -1)
+    def leaves(self, cache_length: int) -> tuple[list[int], TreeNodes | None]:
+        """Feed the last token of each branch still growing (the k-th at cache_length + k): (the
+        tokens, their tree; None when one branch alone grows on the prefix, which is a chain)."""
+        self.growing = [j for j, branch in enumerate(self.tokens) if len(branch) < self.depths[j]]
+        for k, j in enumerate(self.growing):
+            self.cached.parents.append(self.last_fed[j])
+            self.last_fed[j] = len(self.cached.tokens)
             self.cached.tokens.append(self.tokens[j][-1])
-            path.append(cache_length + j)
-        return [branch[-1] for branch in self.tokens], TreeNodes(self.start, [list(p) for p in self.paths])
+            self.paths[j].append(cache_length + k)
+        paths = [list(self.paths[j]) for j in self.growing]
+        chain = len(paths) == 1 and paths[0] == list(range(self.start, self.start + len(paths[0])))
+        return [self.tokens[j][-1] for j in self.growing], None if chain else TreeNodes(self.start, paths)
 
     def add(self, tokens: list[int], q_rows: list[QRow | None]) -> None:
-        """Each branch's next token."""
-        for j, (token, q) in enumerate(zip(tokens, q_rows)):
+        """The next token of each branch fed in this step."""
+        for j, token, q in zip(self.growing, tokens, q_rows):
             self.tokens[j].append(token)
             if q is not None:
                 self.q_rows[j].append(q)

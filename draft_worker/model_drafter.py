@@ -27,6 +27,7 @@ from specdec.sampling import (
     uniforms,
 )
 from specdec.sampling.transforms import LARGEST_LOGIT, MIN_TEMPERATURE
+from specdec.sampling.tree import tree_size
 
 
 @dataclass
@@ -150,7 +151,8 @@ class ModelDrafter(Drafter):
     def _branches(self, task: DraftTask, context: list[int]) -> int:
         """How many children the root of this task's tree gets (1: a chain): a tree needs room
         for all its nodes, and no repetition penalty (whose presence differs by path)."""
-        fits = len(context) + task.branches * task.num_speculative_tokens <= self.runner.max_seq_len
+        nodes = tree_size(task.num_speculative_tokens, task.branches, task.side_depth)
+        fits = len(context) + nodes <= self.runner.max_seq_len
         if task.branches > 1 and task.num_speculative_tokens > 0 and fits and task.params.repetition_penalty == 1.0:
             return task.branches
         return 1
@@ -160,8 +162,8 @@ class ModelDrafter(Drafter):
         context = {req_id: c for req_id, (c, _) in synced.items()}
         feed = {req_id: f for req_id, (_, f) in synced.items()}
         wanted = {t.req_id: t.num_speculative_tokens for t in tasks}
-        trees = {t.req_id: TreeGrowth(b, len(context[t.req_id])) for t in tasks
-                 if (b := self._branches(t, context[t.req_id])) > 1}
+        trees = {t.req_id: TreeGrowth(b, len(context[t.req_id]), t.num_speculative_tokens, t.side_depth)
+                 for t in tasks if (b := self._branches(t, context[t.req_id])) > 1}
         drafted: dict[str, list[int]] = {t.req_id: [] for t in tasks}
         q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.req_id: [] for t in tasks}
         for step in range(max(wanted.values(), default=0)):
@@ -172,7 +174,7 @@ class ModelDrafter(Drafter):
                 if req_id in trees and step > 0:
                     feed[req_id], shapes[i] = trees[req_id].leaves(self.runner.cache.length(req_id))
             logits = self.runner.run(ids, [feed[r] for r in ids],
-                                     [len(feed[r]) if shape else 1 for r, shape in zip(ids, shapes)],
+                                     [len(feed[r]) if r in trees and step > 0 else 1 for r in ids],
                                      shapes if any(shapes) else None)
             rows, row_params, row_contexts, row_ranks = [], [], [], []
             for req_id, seq, rows_of in zip(ids, seqs, logits):
@@ -184,11 +186,11 @@ class ModelDrafter(Drafter):
                     row_params.append(seq.params)
                     row_contexts.append(context[req_id] + drafted[req_id])
                     row_ranks.append(0)
-                else:  # each branch's next token, from its own row
+                else:  # each growing branch's next token, from its own row
                     rows.append(rows_of)
-                    row_params += [seq.params] * tree.branches
-                    row_contexts += [context[req_id] + branch for branch in tree.tokens]
-                    row_ranks += range(tree.branches)
+                    row_params += [seq.params] * len(tree.growing)
+                    row_contexts += [context[req_id] + tree.tokens[j] for j in tree.growing]
+                    row_ranks += range(len(tree.growing))  # (its rank among the nodes of its depth)
             if rows:
                 tokens, q = choose_tokens(torch.cat(rows), row_params, row_contexts, self.max_q_entries, row_ranks)
                 tokens = tokens.tolist()
@@ -208,9 +210,9 @@ class ModelDrafter(Drafter):
                                                      len(context[req_id])))
                     row += 1
                 elif step > 0:
-                    chosen = range(row, row + tree.branches)
+                    chosen = range(row, row + len(tree.growing))
                     tree.add([tokens[r] for r in chosen], [q.get(r) for r in chosen])
-                    row += tree.branches
+                    row += len(tree.growing)
         proposals = []
         for t in tasks:
             tokens, parents, rows = drafted[t.req_id], [], q_rows[t.req_id]

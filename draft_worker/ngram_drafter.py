@@ -78,6 +78,8 @@ class NgramDrafter(Drafter):
             elif task.num_speculative_tokens > 0:
                 found = lookup_continuations(context[-self.window:], task.num_speculative_tokens, self.max_ngram,
                                              self.min_ngram, task.branches)
+                side = task.side_depth or task.num_speculative_tokens
+                found = found[:1] + [branch[:side] for branch in found[1:]]
                 for branch in found:  # a tree of chains, depth-first, when several matches differ
                     parents += [-1] + list(range(len(draft), len(draft) + len(branch) - 1))
                     draft += branch

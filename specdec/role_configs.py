@@ -161,8 +161,10 @@ class SchedulerConfig:
     # (README "Overlapped drafting"); turn it on where draft and target have their own devices.
     overlap: bool = setting(False, "overlapped drafting: the draft drafts round r+1 while the target verifies "
                                    "round r, kept only if round r commits what it assumed; no: serial rounds")
-    tree_branches: int = setting(1, "draft a token tree: this many children of the last committed token, each "
-                                    "continued K deep, all verified in one pass (model drafts); 1: a chain")
+    tree_branches: int = setting(1, "draft a token tree: this many children of the last committed token, the "
+                                    "first continued K deep, all verified in one pass; 1: a chain")
+    tree_side_depth: int = setting(0, "with tree_branches > 1: how deep the root's other children are grown (1: "
+                                      "leaves, alternatives to the first token only); 0: K deep, like the first")
     worker_round_timeout: float = setting(
         30.0, "seconds a worker may take to answer one round before it is treated as dead (hung)")
     worker_recovery_timeout: float = setting(
@@ -179,6 +181,9 @@ class SchedulerConfig:
         _positive("scheduler.max_batch_size", self.max_batch_size)
         _check(isinstance(self.tree_branches, int) and 1 <= self.tree_branches <= 16, "scheduler.tree_branches",
                "an integer in [1, 16]", self.tree_branches)
+        most = self.max_request_speculative_tokens
+        _check(isinstance(self.tree_side_depth, int) and 0 <= self.tree_side_depth <= most,
+               "scheduler.tree_side_depth", f"an integer in [0, {most}]", self.tree_side_depth)
         # A pre-draft assumes the proposal under verification is accepted whole: one chain.
         _check(self.tree_branches == 1 or not self.overlap, "scheduler.tree_branches",
                "1 with scheduler.overlap on (overlapped drafting assumes a chain)", self.tree_branches)

@@ -61,9 +61,11 @@ class DraftTask:
     num_speculative_tokens: int
     params: SamplingParams
     assumed_tokens: list[int] = field(default_factory=list)
-    # More than 1: a token tree, this many children of the root, each continued as a chain to
-    # num_speculative_tokens deep (a drafter that cannot, or a request that should not, gets a chain).
+    # More than 1: a token tree, this many children of the root, each continued as a chain: the
+    # first num_speculative_tokens deep, the others side_depth deep (0: as deep as the first). A
+    # drafter that cannot, or a request that should not, gets a chain.
     branches: int = 1
+    side_depth: int = 0
 
 
 @dataclass

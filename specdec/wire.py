@@ -163,13 +163,14 @@ def _optional_sparse(msg, field: str) -> SparseDist | None:
 def draft_task_to_proto(t: DraftTask) -> worker_pb2.DraftTask:
     return worker_pb2.DraftTask(req_id=t.req_id, new_tokens=t.new_tokens,
                                 num_speculative_tokens=t.num_speculative_tokens, params=params_to_proto(t.params),
-                                assumed_tokens=t.assumed_tokens, branches=t.branches)
+                                assumed_tokens=t.assumed_tokens, branches=t.branches, side_depth=t.side_depth)
 
 
 def draft_task_from_proto(msg: worker_pb2.DraftTask) -> DraftTask:
     return DraftTask(req_id=msg.req_id, new_tokens=list(msg.new_tokens),
                      num_speculative_tokens=msg.num_speculative_tokens, params=params_from_proto(msg.params),
-                     assumed_tokens=list(msg.assumed_tokens), branches=max(1, msg.branches))
+                     assumed_tokens=list(msg.assumed_tokens), branches=max(1, msg.branches),
+                     side_depth=max(0, msg.side_depth))
 
 
 def draft_proposal_to_proto(p: DraftProposal) -> worker_pb2.DraftProposal:

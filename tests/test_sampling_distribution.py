@@ -153,18 +153,18 @@ TREE_PARAMS = {"temperature": dict(temperature=1.0), "hot": dict(temperature=1.5
                "filters": dict(temperature=0.7, top_k=4, top_p=0.9)}
 
 
-def tree_samples(models, drafter: str, params: dict, seed: int, prompt: list[int] = PROMPT,
+def tree_samples(models, drafter: str, params: dict, seed: int, prompt: list[int] = PROMPT, side_depth: int = 0,
                  ) -> tuple[list[tuple[int, ...]], list[float]]:
     draft = {"self": str(models["target"]), "ngram": "ngram"}.get(drafter) or str(models[drafter])
     trees = []
     engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=2, max_batch_size=1000,
-                         adaptive=False, tree_branches=3,
+                         adaptive=False, tree_branches=3, tree_side_depth=side_depth,
                          on_round=lambda report: trees.extend(u.tree_nodes for u in report.updates if u.tree_nodes))
     sp = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, seed=seed + i, **params) for i in range(SAMPLES)]
     outputs = engine.generate([prompt] * SAMPLES, sp)
     # Trees of up to 3 branches were verified (fewer where q has fewer tokens), 2 deep, or 1 where
     # max_new_tokens leaves room for one.
-    assert len(trees) > SAMPLES // 2 and max(trees) == 6
+    assert len(trees) > SAMPLES // 2 and max(trees) == (6 if side_depth == 0 else 4)
     engine.target_worker.cache.check_accounting()
     assert engine.target_worker.cache.allocator.num_used == 0
     rates = [o.stats.acceptance_rate for o in outputs if o.stats.acceptance_rate is not None]
@@ -180,6 +180,14 @@ def test_token_trees_follow_target_distribution(models, drafter, params_name):
         assert all(r == 1.0 for r in rates)
     else:
         assert 0.0 < float(np.mean(rates)) < 1.0  # both paths (accept and resample) were exercised
+
+
+@pytest.mark.parametrize("params_name", ["temperature", "filters"])
+def test_trees_with_leaf_side_branches_follow_target_distribution(models, params_name):
+    """tree_side_depth 1: the root's other children are leaves beside a 2-deep first branch."""
+    samples, rates = tree_samples(models, "perturbed", TREE_PARAMS[params_name], seed=8000, side_depth=1)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS[params_name])) > 1e-3
+    assert 0.0 < float(np.mean(rates)) < 1.0
 
 
 @pytest.mark.parametrize("params_name", ["temperature", "filters"])

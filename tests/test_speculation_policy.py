@@ -429,6 +429,21 @@ def test_a_tree_is_priced_by_all_its_nodes():
         chosen[branches] = ks[-100:]
     assert chosen[1].count(5) > 90
     assert chosen[3].count(0) > 90
+    # The same 3 branches with the other two as leaves (side depth 1): 2 nodes once, then 1 per
+    # depth, which pays like the chain.
+    leaves = SpeculationPolicy(RoundCosts(max_fed=48 * 3, max_steps=5), 0.1, branches=3, side_depth=1)
+    ks = []
+    for _ in range(300):
+        k = leaves.choose([greedy("a")])[0]
+        ks.append(k)
+        nodes = k + 2 * min(k, 1)
+        shape = RoundShape(fed=nodes + 1, sampled=0, steps=k, proposed=nodes, catch_up=0)
+        update = RequestUpdate("a", [1] * (k + 1), "", num_speculative_tokens=k, proposed=k, accepted=k,
+                               tree_nodes=nodes if k else None)
+        leaves.observe(RoundReport(updates=[update], ran=True, verify_seconds=machine.verify(shape),
+                                   draft_seconds=machine.draft(shape), draft_steps=k, draft_proposed=nodes),
+                       {"a": True})
+    assert ks[-100:].count(5) > 90
 
 
 def test_seeded_requests_price_a_trees_nodes_too():

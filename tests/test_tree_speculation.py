@@ -52,10 +52,11 @@ def assert_caches_empty(engine: LocalEngine) -> None:
 
 
 @pytest.mark.parametrize("drafter", ["perturbed", "self", "random", "ngram"])
-@pytest.mark.parametrize("policy", ["fixed", "jumping"])
-def test_greedy_trees_give_the_targets_tokens(models, references, drafter, policy):
+@pytest.mark.parametrize("policy,side_depth", [("fixed", 0), ("jumping", 0), ("fixed", 1)])
+def test_greedy_trees_give_the_targets_tokens(models, references, drafter, policy, side_depth):
     engine = use_policy(LocalEngine(models["target"], draft=models[drafter], num_speculative_tokens=3,
-                                    kv_block_size=8, adaptive=False, tree_branches=3), policy)
+                                    kv_block_size=8, adaptive=False, tree_branches=3, tree_side_depth=side_depth),
+                        policy)
     trees = tree_rounds(engine)
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == references
@@ -98,6 +99,20 @@ def test_a_trees_first_branch_is_the_chain(models):
         ids, first_q, second_q = tree.q.token_ids[0], tree.q.probs[0], tree.q.probs[4]
         assert torch.equal(tree.q.token_ids[4], ids) and float(second_q[ids == firsts[0]].sum()) == 0.0
         torch.testing.assert_close(second_q, first_q.masked_fill(ids == firsts[0], 0) / first_q[ids != firsts[0]].sum())
+
+
+def test_side_branches_as_leaves_leave_the_draft_a_chain(models):
+    """tree_side_depth 1: the root's other children are leaves; the first branch is drafted as the
+    chain is (fed as a chain: the draft's cache after the round holds the prefix and its nodes)."""
+    engine = LocalEngine(models["target"], draft=models["perturbed"])
+    drafter = engine.draft_worker.drafter
+    task = DraftTask("r", PROMPTS[0], 4, SamplingParams(temperature=1.0, seed=3), branches=3, side_depth=1)
+    tree = drafter.propose([task])[0]
+    chain = LocalEngine(models["target"], draft=models["perturbed"]).draft_worker.drafter.propose(
+        [DraftTask("r", PROMPTS[0], 4, SamplingParams(temperature=1.0, seed=3))])[0]
+    assert tree.parents == [-1, 0, 1, 2, -1, -1] and tree.tokens[:4] == chain.tokens
+    assert len({tree.tokens[0], tree.tokens[4], tree.tokens[5]}) == 3
+    assert drafter.kv_cache.length("r") == len(PROMPTS[0]) + 3  # the prompt, then branch 0's fed nodes
 
 
 def test_a_malformed_tree_fails_its_own_request_only(models):

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from specdec.sampling import tree as tree_module
 from specdec.sampling.speculative import speculative_verify
-from specdec.sampling.tree import MAX_TREE_NODES, depths_and_ranks, tree_problem, tree_verify
+from specdec.sampling.tree import MAX_TREE_NODES, depths_and_ranks, tree_problem, tree_size, tree_verify
 
 V = 5
 P_MIN = 1e-3  # chi-square p-value threshold; seeds are fixed, so the tests are deterministic
@@ -111,6 +111,11 @@ def test_depths_and_ranks_pick_each_nodes_uniform_stream():
     # a(0) -> c(1), d(2); b(3) -> e(4): depth-first order
     assert depths_and_ranks([-1, 0, 0, -1, 3]) == ([1, 2, 2, 1, 2], [0, 0, 1, 1, 2])
     assert depths_and_ranks([-1, 0, 1]) == ([1, 2, 3], [0, 0, 0])  # a chain: the plain streams
+
+
+def test_tree_size_counts_every_branchs_nodes():
+    assert [tree_size(4, 1, 0), tree_size(4, 3, 0), tree_size(4, 3, 1), tree_size(1, 3, 2), tree_size(0, 3, 1)] == \
+        [4, 12, 6, 3, 0]
 
 
 def test_malformed_trees_are_named():

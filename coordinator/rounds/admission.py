@@ -19,6 +19,7 @@ from specdec.config import SchedulerConfig
 from specdec.kv_cache import blocks_for_tokens
 from specdec.round_types import TargetInfo
 from specdec.sampling import random_seed
+from specdec.sampling.tree import tree_size
 
 
 class Admission:
@@ -101,7 +102,8 @@ class Admission:
         tokens = len(request.prompt_ids) + request.params.max_new_tokens
         if self.drafting and self.config.tree_branches > 1:
             asked = request.num_speculative_tokens
-            tokens += (self.config.tree_branches - 1) * (self.config.num_speculative_tokens if asked is None else asked)
+            k = self.config.num_speculative_tokens if asked is None else asked
+            tokens += tree_size(k, self.config.tree_branches, self.config.tree_side_depth) - k
         return blocks_for_tokens(tokens, self.target.kv_block_size) + 1
 
     def admit(self, running: dict[str, RunningRequest]) -> list[tuple[str, object]]:

@@ -30,6 +30,7 @@ from coordinator.speculation.round_costs import RoundCosts
 from coordinator.speculation.speculation_policy import PolicyRequest, SpeculationPolicy
 from specdec.config import SchedulerConfig
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, TargetInfo, VerifyTask
+from specdec.sampling.tree import tree_size
 
 
 def reference_draft_cost(target: TargetInfo, draft: DraftInfo | None) -> float:
@@ -67,9 +68,10 @@ class Scheduler:
         self.policy: SpeculationPolicy | None = None
         if config.adaptive and speculating:
             k = config.num_speculative_tokens
-            costs = RoundCosts(max_fed=config.max_batch_size * (k * config.tree_branches + 1), max_steps=k)  # learnt
+            nodes = tree_size(k, config.tree_branches, config.tree_side_depth)
+            costs = RoundCosts(max_fed=config.max_batch_size * (nodes + 1), max_steps=k)  # learnt as rounds run
             self.policy = SpeculationPolicy(costs, reference_draft_cost(self.target_info, self.draft_info),
-                                            config.tree_branches)
+                                            config.tree_branches, config.tree_side_depth)
         self.predrafting = PreDrafting(self.max_seq_len) if config.overlap and speculating else None
 
     # -- requests in and out --------------------------------------------------------------------
@@ -216,8 +218,13 @@ class Scheduler:
         """The most a request may draft this round: shrinks near max_new_tokens and the context
         end, so a round never overflows and always commits at least one token."""
         length = len(run.request.prompt_ids) + len(run.generated)
-        room = (self.max_seq_len - length - 1) // self.config.tree_branches  # (a tree's nodes all take a place)
-        return max(0, min(run.num_speculative_tokens, run.remaining_tokens - 1, room))
+        k = max(0, min(run.num_speculative_tokens, run.remaining_tokens - 1))
+        while k and length + self._tree_size(k) + 1 > self.max_seq_len:  # (a tree's nodes all take a place)
+            k -= 1
+        return k
+
+    def _tree_size(self, k: int) -> int:
+        return tree_size(k, self.config.tree_branches, self.config.tree_side_depth)
 
     def _choose(self, runs: list[RunningRequest]) -> dict[str, int]:
         """K per request: the policy's choice under each cap, or the cap itself in fixed mode."""
@@ -355,13 +362,14 @@ class Scheduler:
                 report.predraft_kept += len(assumed)
             tasks.append(DraftTask(req_id=req_id, new_tokens=run.unsent_to_draft, num_speculative_tokens=k,
                                    params=run.request.params, assumed_tokens=assumed,
-                                   branches=1 if assumed else self.config.tree_branches))
+                                   branches=1 if assumed else self.config.tree_branches,
+                                   side_depth=self.config.tree_side_depth))
         if not (any(t.num_speculative_tokens for t in tasks) or self.failover.release_draft):
             return proposals
         releases, self.failover.release_draft = self.failover.release_draft, []
         report.draft_catch_up = sum(self.running[t.req_id].draft_backlog for t in tasks if t.num_speculative_tokens)
         report.draft_steps = max((t.num_speculative_tokens for t in tasks), default=0)
-        report.draft_proposed = sum(t.num_speculative_tokens * t.branches for t in tasks)
+        report.draft_proposed = sum(tree_size(t.num_speculative_tokens, t.branches, t.side_depth) for t in tasks)
         start = time.perf_counter()
         try:
             replies = self.draft.propose(tasks, releases)

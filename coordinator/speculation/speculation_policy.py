@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from coordinator.rounds.round_report import RoundReport
 from coordinator.speculation.round_costs import RoundCosts, RoundShape
+from specdec.sampling.tree import tree_size
 
 PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
 DECAY = 0.9  # a request's evidence per round: acceptance shifts within a request (code, then prose)
@@ -109,12 +110,13 @@ class _Chosen:
 
 
 class SpeculationPolicy:
-    def __init__(self, costs: RoundCosts, reference_draft_cost: float, branches: int = 1):
-        """branches: draft tokens per asked depth (scheduler.tree_branches: a tree's root children,
-        each continued as a chain), each verified and drafted; 1: chains."""
+    def __init__(self, costs: RoundCosts, reference_draft_cost: float, branches: int = 1, side_depth: int = 0):
+        """branches, side_depth: the shape of a request's token tree (scheduler.tree_branches,
+        tree_side_depth; specdec.sampling.tree.tree_size): a depth costs all its nodes, each
+        verified and drafted; 1 branch: chains."""
         self.costs = costs
         self.reference_draft_cost = reference_draft_cost  # draft step / target step (seeded requests)
-        self.branches = branches
+        self.branches, self.side_depth = branches, side_depth
         self._own: dict[str, Evidence] = {}
         self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
         self._chosen = _Chosen()
@@ -206,12 +208,12 @@ class SpeculationPolicy:
             request, coverage = free[i], estimates[i][1]
             ks[i] += 1
             tokens += worth
-            verify += coverage * v1 * self.branches
+            verify += coverage * v1 * self._nodes(ks[i])
             if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
                 if sampled:
                     verify += v2 * batch * (2 if steps == 0 else 1)
                 steps = ks[i]
-            draft_tokens += d2 * self.branches + (d3 * request.backlog if ks[i] == 1 else 0.0)
+            draft_tokens += d2 * self._nodes(ks[i]) + (d3 * request.backlog if ks[i] == 1 else 0.0)
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, list(ks)
@@ -229,7 +231,7 @@ class SpeculationPolicy:
         for r, (a, c) in zip(free, estimates):
             top, least_coverage, most = max(top, c * a), min(least_coverage, c), most + r.cap
             worths += c * a * (1.0 - a ** r.cap) / (1.0 - a)
-        least = (v1 * least_coverage + d2) * self.branches
+        least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + d0 + d1 + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 
@@ -250,7 +252,7 @@ class SpeculationPolicy:
         each row of a sampled batch), in plain rounds of this batch, at least 1: a price below a
         round rests on slopes that few rounds measured."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        price = (v1 + d2) * self.branches + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
+        price = (v1 + d2) * self._nodes(1) + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
@@ -261,11 +263,20 @@ class SpeculationPolicy:
             return True
         v0, v1, _, d0, d1, d2, _, overhead = costs
         plain = v0 + v1 + overhead
-        return any((k + 1) * plain > plain + k * ((v1 + d2) * self.branches + d1) + d0 for k in (1, 2, 4))
+        return any((k + 1) * plain > plain + (v1 + d2) * self._size(k) + k * d1 + d0 for k in (1, 2, 4))
 
     def _seeded_choice(self, alpha: float, coverage: float, cap: int) -> int:
-        step = (self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST) * self.branches
-        return max(range(cap + 1), key=lambda k: (expected_tokens(alpha, k, coverage) / (1.0 + k * step), k))
+        step = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST
+        return max(range(cap + 1),
+                   key=lambda k: (expected_tokens(alpha, k, coverage) / (1.0 + self._size(k) * step), k))
+
+    def _size(self, depth: int) -> int:
+        """The draft tokens a round asking `depth` of a request verifies and drafts."""
+        return tree_size(depth, self.branches, self.side_depth)
+
+    def _nodes(self, depth: int) -> int:
+        """The draft tokens the depth-th asked token adds: 1 in a chain, every branch's node in a tree."""
+        return 1 if self.branches == 1 else self._size(depth) - self._size(depth - 1)
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:

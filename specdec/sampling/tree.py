@@ -76,6 +76,12 @@ def residual_after_rejection(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual / total if total > 0 else r
 
 
+def tree_size(depth: int, branches: int, side_depth: int) -> int:
+    """Nodes of a tree of `branches` children of the root, the first grown `depth` deep and the
+    others side_depth deep (0: as deep as the first): what a round of that shape verifies."""
+    return depth + (branches - 1) * (min(depth, side_depth) if side_depth else depth)
+
+
 def is_chain(parents: list[int]) -> bool:
     """Whether the tree `parents` describes is a chain (each node follows the one before it)."""
     return all(parent == i - 1 for i, parent in enumerate(parents))

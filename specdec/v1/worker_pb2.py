@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"\r\n\x0bInfoRequest\"\xb5\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"C\n\nSparseDist\x12\x13\n\x0brow_lengths\x18\x01 \x03(\x05\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\r\n\x05probs\x18\x03 \x01(\x0c\"\xa5\x01\n\tDraftTask\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0e\x61ssumed_tokens\x18\x05 \x03(\x05\x12\x10\n\x08\x62ranches\x18\x06 \x01(\x05\"\x81\x01\n\rDraftProposal\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12!\n\x01q\x18\x03 \x01(\x0b\x32\x16.specdec.v1.SparseDist\x12\x1c\n\x14\x64raft_forward_passes\x18\x04 \x01(\x05\x12\x0f\n\x07parents\x18\x05 \x03(\x05\"K\n\x11\x44raftRoundRequest\x12$\n\x05tasks\x18\x01 \x03(\x0b\x32\x15.specdec.v1.DraftTask\x12\x10\n\x08\x66inished\x18\x02 \x03(\t\"?\n\x0f\x44raftRoundReply\x12,\n\tproposals\x18\x01 \x03(\x0b\x32\x19.specdec.v1.DraftProposal\"\x7f\n\tDraftInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x17\n\nvocab_size\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bmax_seq_len\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nextra_json\x18\x04 \x01(\tB\r\n\x0b_vocab_sizeB\x0e\n\x0c_max_seq_len\"\xa6\x01\n\nVerifyTask\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12!\n\x01q\x18\x04 \x01(\x0b\x32\x16.specdec.v1.SparseDist\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07parents\x18\x06 \x03(\x05\"T\n\rVerifyOutcome\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"l\n\x0cVerifyResult\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyOutcome\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x05\"M\n\x12VerifyRoundRequest\x12%\n\x05tasks\x18\x01 \x03(\x0b\x32\x16.specdec.v1.VerifyTask\x12\x10\n\x08\x66inished\x18\x02 \x03(\t\"<\n\x10VerifyRoundReply\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.specdec.v1.VerifyResult\"\xa8\x01\n\nTargetInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rkv_block_size\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x03\x32\x8f\x01\n\x0b\x44raftWorker\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.DraftInfo\x12H\n\x06Rounds\x12\x1d.specdec.v1.DraftRoundRequest\x1a\x1b.specdec.v1.DraftRoundReply(\x01\x30\x01\x32\x93\x01\n\x0cTargetWorker\x12\x37\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v1.TargetInfo\x12J\n\x06Rounds\x12\x1e.specdec.v1.VerifyRoundRequest\x1a\x1c.specdec.v1.VerifyRoundReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"\r\n\x0bInfoRequest\"\xb5\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"C\n\nSparseDist\x12\x13\n\x0brow_lengths\x18\x01 \x03(\x05\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\r\n\x05probs\x18\x03 \x01(\x0c\"\xb9\x01\n\tDraftTask\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0e\x61ssumed_tokens\x18\x05 \x03(\x05\x12\x10\n\x08\x62ranches\x18\x06 \x01(\x05\x12\x12\n\nside_depth\x18\x07 \x01(\x05\"\x81\x01\n\rDraftProposal\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12!\n\x01q\x18\x03 \x01(\x0b\x32\x16.specdec.v1.SparseDist\x12\x1c\n\x14\x64raft_forward_passes\x18\x04 \x01(\x05\x12\x0f\n\x07parents\x18\x05 \x03(\x05\"K\n\x11\x44raftRoundRequest\x12$\n\x05tasks\x18\x01 \x03(\x0b\x32\x15.specdec.v1.DraftTask\x12\x10\n\x08\x66inished\x18\x02 \x03(\t\"?\n\x0f\x44raftRoundReply\x12,\n\tproposals\x18\x01 \x03(\x0b\x32\x19.specdec.v1.DraftProposal\"\x7f\n\tDraftInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x17\n\nvocab_size\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bmax_seq_len\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nextra_json\x18\x04 \x01(\tB\r\n\x0b_vocab_sizeB\x0e\n\x0c_max_seq_len\"\xa6\x01\n\nVerifyTask\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12!\n\x01q\x18\x04 \x01(\x0b\x32\x16.specdec.v1.SparseDist\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0f\n\x07parents\x18\x06 \x03(\x05\"T\n\rVerifyOutcome\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"l\n\x0cVerifyResult\x12+\n\x08outcomes\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyOutcome\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x05\"M\n\x12VerifyRoundRequest\x12%\n\x05tasks\x18\x01 \x03(\x0b\x32\x16.specdec.v1.VerifyTask\x12\x10\n\x08\x66inished\x18\x02 \x03(\t\"<\n\x10VerifyRoundReply\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.specdec.v1.VerifyResult\"\xa8\x01\n\nTargetInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x15\n\rkv_block_size\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x16\n\x0enum_parameters\x18\x07 \x01(\x03\x32\x8f\x01\n\x0b\x44raftWorker\x12\x36\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.DraftInfo\x12H\n\x06Rounds\x12\x1d.specdec.v1.DraftRoundRequest\x1a\x1b.specdec.v1.DraftRoundReply(\x01\x30\x01\x32\x93\x01\n\x0cTargetWorker\x12\x37\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v1.TargetInfo\x12J\n\x06Rounds\x12\x1e.specdec.v1.VerifyRoundRequest\x1a\x1c.specdec.v1.VerifyRoundReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDIST']._serialized_start=238
   _globals['_SPARSEDIST']._serialized_end=305
   _globals['_DRAFTTASK']._serialized_start=308
-  _globals['_DRAFTTASK']._serialized_end=473
-  _globals['_DRAFTPROPOSAL']._serialized_start=476
-  _globals['_DRAFTPROPOSAL']._serialized_end=605
-  _globals['_DRAFTROUNDREQUEST']._serialized_start=607
-  _globals['_DRAFTROUNDREQUEST']._serialized_end=682
-  _globals['_DRAFTROUNDREPLY']._serialized_start=684
-  _globals['_DRAFTROUNDREPLY']._serialized_end=747
-  _globals['_DRAFTINFO']._serialized_start=749
-  _globals['_DRAFTINFO']._serialized_end=876
-  _globals['_VERIFYTASK']._serialized_start=879
-  _globals['_VERIFYTASK']._serialized_end=1045
-  _globals['_VERIFYOUTCOME']._serialized_start=1047
-  _globals['_VERIFYOUTCOME']._serialized_end=1131
-  _globals['_VERIFYRESULT']._serialized_start=1133
-  _globals['_VERIFYRESULT']._serialized_end=1241
-  _globals['_VERIFYROUNDREQUEST']._serialized_start=1243
-  _globals['_VERIFYROUNDREQUEST']._serialized_end=1320
-  _globals['_VERIFYROUNDREPLY']._serialized_start=1322
-  _globals['_VERIFYROUNDREPLY']._serialized_end=1382
-  _globals['_TARGETINFO']._serialized_start=1385
-  _globals['_TARGETINFO']._serialized_end=1553
-  _globals['_DRAFTWORKER']._serialized_start=1556
-  _globals['_DRAFTWORKER']._serialized_end=1699
-  _globals['_TARGETWORKER']._serialized_start=1702
-  _globals['_TARGETWORKER']._serialized_end=1849
+  _globals['_DRAFTTASK']._serialized_end=493
+  _globals['_DRAFTPROPOSAL']._serialized_start=496
+  _globals['_DRAFTPROPOSAL']._serialized_end=625
+  _globals['_DRAFTROUNDREQUEST']._serialized_start=627
+  _globals['_DRAFTROUNDREQUEST']._serialized_end=702
+  _globals['_DRAFTROUNDREPLY']._serialized_start=704
+  _globals['_DRAFTROUNDREPLY']._serialized_end=767
+  _globals['_DRAFTINFO']._serialized_start=769
+  _globals['_DRAFTINFO']._serialized_end=896
+  _globals['_VERIFYTASK']._serialized_start=899
+  _globals['_VERIFYTASK']._serialized_end=1065
+  _globals['_VERIFYOUTCOME']._serialized_start=1067
+  _globals['_VERIFYOUTCOME']._serialized_end=1151
+  _globals['_VERIFYRESULT']._serialized_start=1153
+  _globals['_VERIFYRESULT']._serialized_end=1261
+  _globals['_VERIFYROUNDREQUEST']._serialized_start=1263
+  _globals['_VERIFYROUNDREQUEST']._serialized_end=1340
+  _globals['_VERIFYROUNDREPLY']._serialized_start=1342
+  _globals['_VERIFYROUNDREPLY']._serialized_end=1402
+  _globals['_TARGETINFO']._serialized_start=1405
+  _globals['_TARGETINFO']._serialized_end=1573
+  _globals['_DRAFTWORKER']._serialized_start=1576
+  _globals['_DRAFTWORKER']._serialized_end=1719
+  _globals['_TARGETWORKER']._serialized_start=1722
+  _globals['_TARGETWORKER']._serialized_end=1869
 # @@protoc_insertion_point(module_scope)

@@ -41,20 +41,22 @@ class SparseDist(_message.Message):
     def __init__(self, row_lengths: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("req_id", "new_tokens", "num_speculative_tokens", "params", "assumed_tokens", "branches")
+    __slots__ = ("req_id", "new_tokens", "num_speculative_tokens", "params", "assumed_tokens", "branches", "side_depth")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    SIDE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_speculative_tokens: int
     params: SamplingParams
     assumed_tokens: _containers.RepeatedScalarFieldContainer[int]
     branches: int
-    def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., branches: _Optional[int] = ...) -> None: ...
+    side_depth: int
+    def __init__(self, req_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., assumed_tokens: _Optional[_Iterable[int]] = ..., branches: _Optional[int] = ..., side_depth: _Optional[int] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("req_id", "tokens", "q", "draft_forward_passes", "parents")

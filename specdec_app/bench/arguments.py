@@ -92,6 +92,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"subset of {','.join(ALL_SYSTEMS)} (default: all but {','.join(TREE_SYSTEMS)})")
     parser.add_argument("--tree-branches", type=_tree_branches, default=3,
                         help="children of the root in the tree systems' drafts (default 3)")
+    parser.add_argument("--tree-side-depth", type=int, default=0,
+                        help="how deep the tree systems grow the root's other children (default 0: K deep)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system (default 2)")
     parser.add_argument("--seed", type=int, default=0,
                         help="base seed of HF's sampled runs (specdec's sampled requests are unseeded, like "

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from specdec.config import NGRAM, ConfigError, ServiceConfig
 from specdec.model.decoder import load_model
+from specdec.sampling.tree import tree_size
 from specdec.tokenizer import load_tokenizer
 from specdec_app.bench import overlap as overlap_bench
 from specdec_app.bench import report
@@ -112,7 +113,7 @@ def run(args) -> int:
             return 2
     first_set = next(iter(prompt_sets))
     every_prompt = [p for ids, _ in prompt_sets.values() for p in ids]
-    tree_nodes = k * args.tree_branches if any(SYSTEMS[s].tree for s in systems) else 0  # a tree's nodes
+    tree_nodes = tree_size(k, args.tree_branches, args.tree_side_depth) if any(SYSTEMS[s].tree for s in systems) else 0
     kv_blocks = kv_blocks_for(every_prompt, max_new, max([k, tree_nodes] + sweep_ks), max(batch_sizes))
     for name, (ids, _) in prompt_sets.items():
         log(f"specdec bench: prompt set {name}: {len(ids)} prompts ({min(map(len, ids))}-{max(map(len, ids))} "
@@ -139,7 +140,8 @@ def run(args) -> int:
         if key in SPECDEC_SYSTEMS:
             built[key] = EngineSystem(key, target, drafter_paths[spec.drafter], k, kv_blocks, max(batch_sizes),
                                       adaptive=spec.adaptive, weights=weights,
-                                      tree_branches=args.tree_branches if spec.tree else 1)
+                                      tree_branches=args.tree_branches if spec.tree else 1,
+                                      tree_side_depth=args.tree_side_depth)
         else:
             hf_target = hf_target if hf_target is not None else load_hf(target)
             built[key] = HFSystem(key, target, draft if key == "hf-assisted" else None, k, model=hf_target)

@@ -75,9 +75,9 @@ class EngineSystem:
 
     def __init__(self, key: str, target: str, draft: str | None, k: int, kv_cache_blocks: int,
                  max_batch_size: int, adaptive: bool = True, cpu_kernels: bool = True,
-                 weights: tuple[str, str] = ("auto", "auto"), tree_branches: int = 1):
+                 weights: tuple[str, str] = ("auto", "auto"), tree_branches: int = 1, tree_side_depth: int = 0):
         """weights: the target's and the draft's weight formats (specdec.model.quantized);
-        tree_branches: more than 1 drafts token trees (scheduler.tree_branches)."""
+        tree_branches, tree_side_depth: more than 1 branch drafts token trees of that shape (scheduler)."""
         self.key = key
         self.label = SYSTEMS[key].label
         self.k = k if draft is not None else None
@@ -85,7 +85,7 @@ class EngineSystem:
         self.engine = LocalEngine(target, draft=draft, num_speculative_tokens=k if draft else 0,
                                   adaptive=adaptive, kv_cache_blocks=kv_cache_blocks, max_batch_size=max_batch_size,
                                   cpu_kernels=cpu_kernels, target_weights=weights[0], draft_weights=weights[1],
-                                  tree_branches=tree_branches)
+                                  tree_branches=tree_branches, tree_side_depth=tree_side_depth)
 
     def run(self, prompts: list[list[int]], batch: int, mode: Mode, max_new_tokens: int, seed: int,
             k: int | None = None, bar=None, prompt_set: str = "") -> RunResult:

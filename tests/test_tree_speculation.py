@@ -126,3 +126,42 @@ def test_a_malformed_tree_fails_its_own_request_only(models):
     assert not outcomes["good"].error and len(outcomes["good"].tokens) in (1, 2)
     worker.cache.check_accounting()
     assert worker.cache.length("good") == 3 + outcomes["good"].num_accepted
+
+
+def test_trees_over_grpc_workers_give_what_they_give_in_process(models, references):
+    """The tree fields on the wire (DraftTask.branches, DraftProposal/VerifyTask.parents): greedy
+    and seeded sampled requests over gRPC workers get the in-process engine's tokens."""
+    from coordinator.rounds.request import Request
+    from draft_worker import grpc_server as draft_server
+    from draft_worker.worker import DraftWorker
+    from specdec_app.embedded import GrpcSchedulerFactory
+    from target_worker import grpc_server as target_server
+
+    settings = dict(num_speculative_tokens=3, adaptive=False, tree_branches=2, kv_block_size=8)
+    engine = LocalEngine(models["target"], draft=models["perturbed"], **settings)
+    trees = tree_rounds(engine)
+    seeded = [SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, seed=21 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    want = [o.token_ids for o in engine.generate(PROMPTS, seeded)]
+    assert sum(trees) > 0
+    config = engine.config
+    tserver, tport = target_server.serve(TargetWorker.from_config(config.target))
+    dserver, dport = draft_server.serve(DraftWorker.from_config(config.draft))
+    try:
+        factory = GrpcSchedulerFactory(config, f"127.0.0.1:{tport}", f"127.0.0.1:{dport}")
+        scheduler = factory()
+        greedy = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            scheduler.add_request(Request(f"g{i}", prompt, greedy))
+            scheduler.add_request(Request(f"s{i}", prompt, seeded[i]))
+        got = {f"{kind}{i}": [] for kind in "gs" for i in range(len(PROMPTS))}
+        while scheduler.has_work() or scheduler.running:
+            for update in scheduler.step().updates:
+                assert not update.error, update.error
+                got[update.req_id] += update.token_ids
+        factory.close()
+    finally:
+        tserver.stop(None)
+        dserver.stop(None)
+    assert [got[f"g{i}"] for i in range(len(PROMPTS))] == references
+    assert [got[f"s{i}"] for i in range(len(PROMPTS))] == want

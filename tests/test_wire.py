@@ -95,16 +95,17 @@ def test_malformed_sparse_q_raises_value_error():
 def test_draft_round_round_trip():
     q, _ = ragged_q(k=3)
     params = SamplingParams(temperature=0.8, seed=5)
-    tasks = [DraftTask("a", [1, 2, 3], 4, params), DraftTask("b", [], 0, SamplingParams())]
+    tasks = [DraftTask("a", [1, 2, 3], 4, params), DraftTask("b", [], 0, SamplingParams()),
+             DraftTask("t", [9], 3, params, branches=3, side_depth=1)]
     got_tasks, got_finished = wire.draft_round_from_proto(through_bytes(wire.draft_round_to_proto(tasks, ["x", "y"])))
     assert got_tasks == tasks and got_finished == ["x", "y"]
 
     zero_rows = SparseDist(token_ids=torch.zeros(0, 1, dtype=torch.int64), probs=torch.zeros(0, 1))
     proposals = [DraftProposal("a", [4, 5, 6], q, 3), DraftProposal("b", [], None, 0),
-                 DraftProposal("c", [], zero_rows)]
+                 DraftProposal("c", [], zero_rows), DraftProposal("t", [4, 5, 6], q, 2, parents=[-1, 0, -1])]
     back = wire.draft_reply_from_proto(through_bytes(wire.draft_reply_to_proto(proposals)))
-    assert [(p.req_id, p.tokens, p.draft_forward_passes) for p in back] == [
-        ("a", [4, 5, 6], 3), ("b", [], 0), ("c", [], 0)
+    assert [(p.req_id, p.tokens, p.draft_forward_passes, p.parents) for p in back] == [
+        ("a", [4, 5, 6], 3, []), ("b", [], 0, []), ("c", [], 0, []), ("t", [4, 5, 6], 2, [-1, 0, -1])
     ]
     assert torch.equal(back[0].q.to_dense(1000), q.to_dense(1000))
     assert back[1].q is None  # greedy: no q at all
@@ -114,11 +115,12 @@ def test_draft_round_round_trip():
 def test_verify_round_round_trip():
     q, _ = ragged_q(k=2)
     params = SamplingParams(temperature=1.0, top_k=50)
-    tasks = [VerifyTask("a", [10, 11], [4, 5], q, params), VerifyTask("b", [], [7], None, SamplingParams())]
+    tasks = [VerifyTask("a", [10, 11], [4, 5], q, params), VerifyTask("b", [], [7], None, SamplingParams()),
+             VerifyTask("t", [], [7, 8], None, SamplingParams(), parents=[-1, -1])]
     got, finished = wire.verify_round_from_proto(through_bytes(wire.verify_round_to_proto(tasks, [])))
     assert finished == []
-    assert [(t.req_id, t.new_tokens, t.draft_tokens, t.params) for t in got] == [
-        (t.req_id, t.new_tokens, t.draft_tokens, t.params) for t in tasks
+    assert [(t.req_id, t.new_tokens, t.draft_tokens, t.params, t.parents) for t in got] == [
+        (t.req_id, t.new_tokens, t.draft_tokens, t.params, t.parents) for t in tasks
     ]
     assert torch.equal(got[0].q.to_dense(1000), q.to_dense(1000)) and got[1].q is None
 

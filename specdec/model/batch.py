@@ -92,9 +92,9 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         raise ValueError("every sequence in a forward pass needs at least one new token")
     total = sum(query_lens)
     input_ids, positions, slots, logits_indices = [], [], [], []
-    # Attention rows: (flat indices of the row's tokens, the sequence, a tree node's path or None).
-    rows: list[tuple[list[int], int, list[int] | None]] = []
-    node_rows: list[tuple[int, int, list[int]]] = []  # (row, tree start, path) of each tree node
+    block_size = cache.block_size
+    rows: list[tuple[list[int], int]] = []  # attention rows: (flat indices of its tokens, its sequence)
+    node_keys: list[tuple[int, int, int]] = []  # (row, key, slot): a tree node's keys from its tree's start
     for seq, (seq_id, toks, n_logits, tree) in enumerate(zip(seq_ids, new_tokens, num_logits, trees)):
         offset, start = len(input_ids), cache.length(seq_id)
         slots += cache.append_slots(seq_id, len(toks))
@@ -103,17 +103,19 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         causal = len(toks) - (len(tree.paths) if tree else 0)
         positions += range(start, start + causal)
         if causal:
-            rows.append((list(range(offset, offset + causal)), seq, None))
+            rows.append((list(range(offset, offset + causal)), seq))
         for j, path in enumerate(tree.paths if tree else []):
             if path[-1] != start + causal + j or path[0] < tree.start or path != sorted(set(path)):
                 raise ValueError(f"tree node {j} of {seq_id!r}: path {path} must ascend from the tree start "
                                  f"{tree.start} to the node's own cache index {start + causal + j}")
             positions.append(tree.start + len(path) - 1)
-            node_rows.append((len(rows), tree.start, path))
-            rows.append(([offset + causal + j], seq, path))
-    qmax = max(len(tokens) for tokens, _, _ in rows)
+            table = cache.block_table(seq_id)
+            node_keys += [(len(rows), tree.start + k, table[i // block_size] * block_size + i % block_size)
+                          for k, i in enumerate(path)]
+            rows.append(([offset + causal + j], seq))
+    qmax = max(len(tokens) for tokens, _ in rows)
     token_index, query_positions, token_rows, token_seqs = [], [], [0] * total, [0] * total
-    for r, (tokens, _, _) in enumerate(rows):
+    for r, (tokens, _) in enumerate(rows):
         pad = qmax - len(tokens)
         # The padded [R, Qmax] layout attention regroups tokens in (padding: row `total`).
         token_index.append(tokens + [total] * pad)
@@ -126,23 +128,22 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     parts = [input_ids, positions, slots, token_rows, token_seqs, logits_indices, seq_lens,
              [0, *accumulate(query_lens)], [i for row in token_index for i in row],
              [p for row in query_positions for p in row], [b for row in tables for b in row],
-             [seq for _, seq, _ in rows]]
+             [seq for _, seq in rows]]
     # Every index of the pass crosses to the device in one copy (on a GPU each copy is a
     # blocking transfer of its own), then splits into views.
     host = torch.tensor([v for part in parts for v in part], dtype=torch.long)  # host: copied once below
     (input_ids_t, positions_t, slots_t, token_rows_t, token_seqs_t, logits_indices_t, seq_lens_t, query_start_t,
      token_index_t, query_positions_t, tables_t, row_seqs_t) = host.to(device).split([len(part) for part in parts])
     block_tables = tables_t.view(len(seq_ids), len(tables[0]))
-    block_size = cache.block_size
     context_len = max(seq_lens)
     kv_start = None
-    if len(seq_ids) == 1 and not node_rows:
+    if len(seq_ids) == 1 and not node_keys:
         table = cache.block_table(seq_ids[0])
         if table == list(range(table[0], table[0] + len(table))):
             kv_start = table[0] * block_size
     tree_kv_slots = None
-    if node_rows:
-        tree_kv_slots = _tree_kv_slots(block_tables, block_size, context_len, row_seqs_t, node_rows)
+    if node_keys:
+        tree_kv_slots = _tree_kv_slots(block_tables, block_size, context_len, row_seqs_t, node_keys)
     return ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_t,
@@ -157,7 +158,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
         seq_lens=seq_lens_t,
         query_start=query_start_t,
         max_query_len=qmax,
-        uniform_query_len=not node_rows and all(q == qmax for q in query_lens),
+        uniform_query_len=not node_keys and all(q == qmax for q in query_lens),
         all_logits=logits_indices == list(range(total)),
         block_size=block_size,
         context_len=context_len,
@@ -166,17 +167,11 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
 
 
 def _tree_kv_slots(block_tables: torch.Tensor, block_size: int, length: int, row_seqs: torch.Tensor,
-                   node_rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-    """[R, length] key slots of every attention row: a sequence's own causal row, or for a tree node
-    the cache indices 0..start-1 and then its path (what its position's keys 0..depth must be)."""
-    device = block_tables.device
-    at_rows, at_keys, values = [], [], []
-    for row, start, path in node_rows:
-        at_rows += [row] * len(path)
-        at_keys += range(start, start + len(path))
-        values += path
-    places = torch.tensor([at_rows, at_keys, values], dtype=torch.long)  # host: copied once below
-    at_rows_t, at_keys_t, values_t = places.to(device)
-    indices = torch.arange(length, device=device).repeat(len(row_seqs), 1)  # [R, L] cache index of each key
-    indices[at_rows_t, at_keys_t] = values_t
-    return sequence_kv_slots(block_tables, block_size, length)[row_seqs].gather(1, indices)
+                   node_keys: list[tuple[int, int, int]]) -> torch.Tensor:
+    """[R, length] key slots of every attention row: its sequence's causal row, where a tree node's
+    row then holds its path's slots from the tree's start on (node_keys: (row, key, slot))."""
+    rows = sequence_kv_slots(block_tables, block_size, length).index_select(0, row_seqs)
+    places = torch.tensor(node_keys, dtype=torch.long)  # host: copied once below
+    at_rows, at_keys, slots = places.to(block_tables.device).unbind(1)
+    rows[at_rows, at_keys] = slots
+    return rows

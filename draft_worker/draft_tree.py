@@ -17,6 +17,7 @@ import torch
 
 from specdec.model.batch import TreeNodes
 from specdec.sampling import DRAFT, sample_from_probs, uniforms
+from specdec.sampling.tree import chains_parents
 
 QRow = tuple[torch.Tensor, torch.Tensor]  # a sparse distribution: ids [n], probs [n]
 
@@ -74,8 +75,7 @@ class TreeGrowth:
         self.depths = [depth] + [min(depth, side_depth) if side_depth else depth] * (branches - 1)
         self.tokens: list[list[int]] = []
         self.q_rows: list[list[QRow]] = []
-        self.paths: list[list[int]] = []  # cache indices of each branch's fed nodes
-        self.last_fed: list[int] = []  # each branch's last node in `cached` (-1: none yet)
+        self.paths: list[list[int]] = []  # cache indices of each branch's fed nodes (start + their index in cached)
         self.growing: list[int] = []  # the branches fed in this step: they take its next tokens
         self.cached = DraftedTree()
 
@@ -85,15 +85,13 @@ class TreeGrowth:
         self.tokens = [[token] for token in tokens]
         self.q_rows = [[q] if q is not None else [] for q in q_rows]
         self.paths = [[] for _ in tokens]
-        self.last_fed = [-1] * len(tokens)
 
     def leaves(self, cache_length: int) -> tuple[list[int], TreeNodes | None]:
         """Feed the last token of each branch still growing (the k-th at cache_length + k): (the
         tokens, their tree; None when one branch alone grows on the prefix, which is a chain)."""
         self.growing = [j for j, branch in enumerate(self.tokens) if len(branch) < self.depths[j]]
         for k, j in enumerate(self.growing):
-            self.cached.parents.append(self.last_fed[j])
-            self.last_fed[j] = len(self.cached.tokens)
+            self.cached.parents.append(self.paths[j][-1] - self.start if self.paths[j] else -1)
             self.cached.tokens.append(self.tokens[j][-1])
             self.paths[j].append(cache_length + k)
         paths = [list(self.paths[j]) for j in self.growing]
@@ -109,9 +107,6 @@ class TreeGrowth:
 
     def proposal(self) -> tuple[list[int], list[int], list[QRow]]:
         """(tokens, parents, q rows) in depth-first order: branch 0's chain, then branch 1's, ..."""
-        tokens, parents, rows = [], [], []
-        for branch, q in zip(self.tokens, self.q_rows):
-            parents += [-1] + list(range(len(tokens), len(tokens) + len(branch) - 1))
-            tokens += branch
-            rows += q
-        return tokens, parents, rows
+        tokens = [token for branch in self.tokens for token in branch]
+        rows = [q for branch in self.q_rows for q in branch]
+        return tokens, chains_parents([len(branch) for branch in self.tokens]), rows

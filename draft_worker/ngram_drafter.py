@@ -13,6 +13,7 @@ import torch
 from draft_worker.drafter import Drafter
 from specdec.config import NGRAM
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
+from specdec.sampling.tree import chains_parents
 
 
 def lookup_continuation(tokens: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -80,10 +81,9 @@ class NgramDrafter(Drafter):
                                              self.min_ngram, task.branches)
                 side = task.side_depth or task.num_speculative_tokens
                 found = found[:1] + [branch[:side] for branch in found[1:]]
-                for branch in found:  # a tree of chains, depth-first, when several matches differ
-                    parents += [-1] + list(range(len(draft), len(draft) + len(branch) - 1))
-                    draft += branch
-                parents = parents if len(found) > 1 else []
+                draft = [token for branch in found for token in branch]
+                if len(found) > 1:  # a tree of chains, depth-first, when several matches differ
+                    parents = chains_parents([len(branch) for branch in found])
             q = None
             if draft and not task.params.greedy:
                 # Each node is its own point mass: children drawn independently (trivially, as

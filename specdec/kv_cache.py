@@ -102,8 +102,12 @@ class PagedKVCache:
         if missing > 0:
             table.extend(self.allocator.allocate(missing))
         self._lengths[seq_id] = new_len
-        size = self.block_size
-        return [table[pos // size] * size + pos % size for pos in range(start, new_len)]
+        return self.slots(seq_id, range(start, new_len))
+
+    def slots(self, seq_id: str, indices) -> list[int]:
+        """The flat cache slots of the sequence's tokens at `indices` (cache indices it holds)."""
+        table, size = self._tables[seq_id], self.block_size
+        return [table[i // size] * size + i % size for i in indices]
 
     def truncate_to(self, seq_id: str, length: int) -> None:
         """Keep only the first `length` tokens; trailing blocks go back to the pool now."""
@@ -126,10 +130,9 @@ class PagedKVCache:
             raise ValueError(f"cannot keep path {path} after {start} tokens of {seq_id!r}")
         moves = [(index, start + k) for k, index in enumerate(path) if index != start + k]
         if moves:
-            table, size = self._tables[seq_id], self.block_size
-            source, target = ([table[i // size] * size + i % size for i in indices] for indices in zip(*moves))
-            source_t = torch.tensor(source, device=self.k.device)
-            target_t = torch.tensor(target, device=self.k.device)
+            sources, targets = zip(*moves)
+            source_t = torch.tensor(self.slots(seq_id, sources), device=self.k.device)
+            target_t = torch.tensor(self.slots(seq_id, targets), device=self.k.device)
             for cache in (self.k, self.v):
                 flat = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [layers, slots, Hkv, D]
                 flat.index_copy_(1, target_t, flat.index_select(1, source_t))

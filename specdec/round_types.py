@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.params import SamplingParams
+from specdec.sampling.tree import depths_and_ranks
 
 
 @dataclass
@@ -81,10 +82,7 @@ class DraftProposal:
     @property
     def depth(self) -> int:
         """The tokens of its longest path: a chain's length, a tree's deepest node's depth."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=0) if self.parents else len(self.tokens)
+        return max(depths_and_ranks(self.parents)[0]) if self.parents else len(self.tokens)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 from specdec.params import SamplingParams
 from specdec.round_types import VerifyTask
 from specdec.sampling import ACCEPT, TARGET, BatchSamplingParams, presence_mask, probs_from_logits, uniforms
-from specdec.sampling.tree import depths_and_ranks, tree_verify
+from specdec.sampling.tree import depths_and_ranks, node_paths, tree_verify
 
 
 def accept_tree(task: VerifyTask, committed: list[int], seed: int, logits: torch.Tensor,
@@ -21,31 +21,19 @@ def accept_tree(task: VerifyTask, committed: list[int], seed: int, logits: torch
     """-> (the accepted nodes from the root down, the next token). logits: [1 + N, V]."""
     params: SamplingParams = task.params
     tokens, parents = task.draft_tokens, task.parents
-    if params.greedy and params.repetition_penalty == 1.0:  # compare tokens: no distributions
-        best = logits.argmax(dim=-1).tolist()
-        path, node = [], -1
-        while (child := next((c for c, parent in enumerate(parents)
-                              if parent == node and tokens[c] == best[node + 1]), None)) is not None:
-            path.append(child)
-            node = child
-        return path, best[node + 1]
+    if params.greedy and params.repetition_penalty == 1.0:  # the logits' argmax is p's: no distributions
+        return tree_verify(logits[0], logits[1:], None, tokens, parents, True, None, None)
     presence = None
     if params.repetition_penalty != 1.0:  # each row's context: the committed tokens, then its path
-        contexts = [committed] + [committed + [tokens[n] for n in _path_to(i, parents)] for i in range(len(tokens))]
+        paths = node_paths(parents, 0)
+        contexts = [committed] + [committed + [tokens[n] for n in path] for path in paths]
         presence = presence_mask(contexts, vocab_size, logits.device)
     p = probs_from_logits(logits, BatchSamplingParams.from_params([params] * len(logits), logits.device), presence)
-    q = task.q.to_dense(vocab_size).to(logits.device) if task.q is not None and not params.greedy else None
+    if params.greedy:  # (a repetition penalty: the penalised argmax, as one-hot rows)
+        return tree_verify(p[0], p[1:], None, tokens, parents, True, None, None)
+    q = task.q.to_dense(vocab_size).to(logits.device)
     depths, ranks = depths_and_ranks(parents)
     start = len(committed)
     u_accept = uniforms([seed] * len(tokens), [start + d - 1 for d in depths], ACCEPT, logits.device, ranks)
     u_next = uniforms([seed], [[start + d for d in range(max(depths) + 1)]], TARGET, logits.device)[0]
-    return tree_verify(p[0], p[1:], q, tokens, parents, params.greedy, u_accept, u_next)
-
-
-def _path_to(node: int, parents: list[int]) -> list[int]:
-    """The nodes from the root's child down to `node`."""
-    path = []
-    while node >= 0:
-        path.insert(0, node)
-        node = parents[node]
-    return path
+    return tree_verify(p[0], p[1:], q, tokens, parents, False, u_accept, u_next)

@@ -109,9 +109,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
                 raise ValueError(f"tree node {j} of {seq_id!r}: path {path} must ascend from the tree start "
                                  f"{tree.start} to the node's own cache index {start + causal + j}")
             positions.append(tree.start + len(path) - 1)
-            table = cache.block_table(seq_id)
-            node_keys += [(len(rows), tree.start + k, table[i // block_size] * block_size + i % block_size)
-                          for k, i in enumerate(path)]
+            node_keys += [(len(rows), tree.start + k, slot) for k, slot in enumerate(cache.slots(seq_id, path))]
             rows.append(([offset + causal + j], seq))
     qmax = max(len(tokens) for tokens, _ in rows)
     token_index, query_positions, token_rows, token_seqs = [], [], [0] * total, [0] * total

@@ -35,14 +35,16 @@ def tree_verify(
     tokens: list[int],  # [N] draft token of each node, depth-first order
     parents: list[int],  # [N] parent node of each node, -1 for the root
     greedy: bool,
-    u_accept: torch.Tensor,  # [N] float64 uniform of each node's accept test
-    u_next: torch.Tensor,  # [depth + 1] float64 uniform of the final sample, by the depth the walk ends at
+    u_accept: torch.Tensor | None,  # [N] float64 uniform of each node's accept test; None when greedy
+    u_next: torch.Tensor | None,  # [depth + 1] float64 final-sample uniform by the depth reached; None when greedy
 ) -> tuple[list[int], int]:
-    """-> (accepted nodes from the root down, next token)."""
+    """-> (accepted nodes from the root down, next token). Greedy reads only the argmax of each
+    row, so p may then be the logits themselves."""
     path: list[int] = []
     node = -1
     while True:
-        r = (p_root if node < 0 else p[node]).double()
+        r = p_root if node < 0 else p[node]
+        r = r if greedy else r.double()
         children = [i for i, parent in enumerate(parents) if parent == node]
         child, r = _try_children(r, q, children, tokens, greedy, u_accept)
         if child is None:  # r: the node's p (no children, the bonus) or the last residual
@@ -97,6 +99,15 @@ def depths_and_ranks(parents: list[int]) -> tuple[list[int], list[int]]:
         seen[depth] = ranks[-1] + 1
         depths.append(depth)
     return depths, ranks
+
+
+def chains_parents(lengths: list[int]) -> list[int]:
+    """The parents of a tree of chains (branch j has lengths[j] nodes) in depth-first order: each
+    branch's first node under the root, each later one under the node before it."""
+    parents: list[int] = []
+    for length in lengths:
+        parents += [-1] + list(range(len(parents), len(parents) + length - 1))
+    return parents
 
 
 def node_paths(parents: list[int], start: int) -> list[list[int]]:

@@ -17,6 +17,7 @@ import torch
 
 from specdec.config import TargetConfig
 from specdec.model.batch import TreeNodes
+from specdec.model.cpu_kernels import row_argmax
 from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import TargetInfo, VerifyOutcome, VerifyResult, VerifyTask
@@ -196,6 +197,8 @@ class TargetWorker:
         """One token per sequence from its last logits [B, V]: argmax, or a draw with its TARGET
         uniform at the position (what speculative_verify does with nothing proposed)."""
         params = [s.params for s in seqs]
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):  # no distributions needed
+            return row_argmax(logits, self.runner.model.kernels).tolist()
         presence = None
         if any(p.repetition_penalty != 1.0 for p in params):
             presence = presence_mask([s.tokens for s in seqs], logits.shape[-1], logits.device)
@@ -218,7 +221,7 @@ class TargetWorker:
             return [0] * len(tasks), self._sample(seqs, torch.cat(logits))
         padded = padded_logits(logits, k_max + 1)
         if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
-            return greedy_accept(padded.argmax(dim=-1), [t.draft_tokens for t in tasks])
+            return greedy_accept(row_argmax(padded, self.runner.model.kernels), [t.draft_tokens for t in tasks])
         draft = pad_rows([t.draft_tokens for t in tasks], k_max, device)
         proposed = torch.tensor(num_proposed, device=device)
         presence = None

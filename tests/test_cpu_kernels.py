@@ -52,10 +52,29 @@ def test_add_rms_norm_matches_torch_with_and_without_a_residual(rows, dim):
 @needs_kernels
 def test_silu_mul_matches_torch():
     gate_up = torch.randn(3, 2 * 100, generator=torch.Generator().manual_seed(0)) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 1e4, -1e4])  # e^-|x| under/overflow
     out = torch.empty(3, 100)
     kernels.silu_mul(gate_up, out)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_argmax_gives_torchs_index_for_ties_infinities_and_nans(threads):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 49152, generator=gen)
+    x[1, 7] = x[1, 4000] = x[1, 49151] = 50.0  # a tie: the first
+    x[2] = float("-inf")  # every value -inf: index 0
+    x[3, 100] = float("inf")
+    x[4, 30000], x[4, 5] = float("nan"), 99.0  # a NaN after the largest number: the NaN
+    x[5, 10], x[5, 20] = float("nan"), float("nan")
+    x[6, 0] = 1e30  # at the first index
+    x[7] = 0.0
+    x[7, 12] = -0.0  # equal to 0.0: still the first
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    padded = x.view(3, 3, 49152)[:, :2]  # not contiguous; [3, 2] indices
+    assert torch.equal(kernels_module.row_argmax(padded, kernels), padded.argmax(dim=-1))
+    assert torch.equal(kernels_module.row_argmax(x.double(), kernels), x.argmax(dim=-1))  # torch's, for doubles
 
 
 @needs_kernels

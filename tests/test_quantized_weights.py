@@ -17,6 +17,7 @@ from specdec.config import ConfigError, WorkerConfig
 from specdec.model import cpu_kernels as kernels_module
 from specdec.model import load_model
 from specdec.model.batch import prepare_forward
+from specdec.model.cpu_kernels import KernelArgumentError
 from specdec.model.quantized import GROUP, QuantizedMatrix, quantize, stack_rows
 
 from checkpoints import build_checkpoint, perturbed_copy
@@ -93,6 +94,9 @@ def test_embedding_rows_come_from_the_panels(bits):
     panels = kernels.pack_quantized(matrix)
     ids = torch.tensor([0, 1, 15, 16, 31, 32, 63, 64, 200, 299])
     assert torch.equal(panels.columns(ids), matrix.dequantize()[ids])
+    assert torch.equal(kernels.columns(panels, ids), matrix.dequantize()[ids])  # the kernel pass's, in C
+    with pytest.raises(KernelArgumentError, match="columns"):
+        kernels.columns(panels, torch.tensor([300]))
 
 
 def test_quantizers_bound_their_error_and_stack_to_the_wider_codes():

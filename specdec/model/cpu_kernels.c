@@ -15,6 +15,7 @@ Python side (specdec/model/cpu_kernels.py) checks shapes and pointers before cal
 checks bounds.
 */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,15 +52,6 @@ void add_rms_norm(float *x, const float *delta, const float *weight, float *out,
     }
 }
 
-/* gate_up [rows, 2 * inter] (gate then up) -> out [rows, inter] = silu(gate) * up. */
-void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows * inter * 16 >= PARALLEL_MIN_FLOPS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
 
 /* In each row of qkv [T, (H + 2 Hkv) * D] (q heads, k heads, v heads): normalise each q and k
    head over D when head_norm [H + Hkv, D] is given (Qwen3), rotate them by their token's position
@@ -135,94 +127,228 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* out [dim] = sum_j softmax(scores)_j v_j over j < length, v_j = values + slots[j] * row. scores
-   are overwritten. */
-static void weighted_sum(float *scores, const float *values, const int64_t *slots, int64_t length,
-                         int64_t row, int64_t dim, float *out) {
-    float best = -INFINITY, total = 0.0f;
+/* gate_up [rows, 2 * inter] (gate then up) -> out [rows, inter] = silu(gate) * up, silu(x) =
+   x sigmoid(x) with e = e^-|x| (never overflows): sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e)
+   below. In vector code: libm's expf, one call per number, was ~5% of a batch-8 pass. */
+void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter * 16 >= PARALLEL_MIN_FLOPS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = g[i], e = exp_nonpositive(x < 0.0f ? x : -x);
+            o[i] = x * ((x < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
+        }
+    }
+}
+
+/* x[0] + .. + x[n - 1] in one fixed order that depends on n only (eight running sums, then one
+   reduction, then the tail): a vectorised `+` reduction may start where x happens to be aligned. */
+static inline float sum_in_order(const float *x, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 lanes = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(x + i));
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#endif
+    for (; i < n; i++) sum += x[i];
+    return sum;
+}
+
+/* scores [length] -> e^(score - largest), in place; returns 1 / their sum (the softmax is the
+   scores times it). */
+static float softmax_weights(float *scores, int64_t length) {
+    float best = -INFINITY;
+#pragma omp simd reduction(max : best)
     for (int64_t j = 0; j < length; j++) best = scores[j] > best ? scores[j] : best;
 #pragma omp simd
     for (int64_t j = 0; j < length; j++) scores[j] = exp_nonpositive(scores[j] - best);
-    for (int64_t j = 0; j < length; j++) total += scores[j];
-    const float inv_total = 1.0f / total;
+    return 1.0f / sum_in_order(scores, length);
+}
+
+/* out [dim] += weights[j] v_j for j = j0 .. j1 - 1 in order, v_j = values + slots[j] * row: each
+   output float one chain of multiply-adds over the keys, carried on from block to block. */
+static void add_weighted_values(const float *weights, const float *values, const int64_t *slots, int64_t j0,
+                                int64_t j1, int64_t row, int64_t dim, float *out) {
     int64_t start = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     /* 64 output floats at a time, summed in eight registers (head sizes 64 and 128). */
     for (; start + 64 <= dim; start += 64) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
-        for (int64_t j = 0; j < length; j++) {
-            const float *v = values + slots[j] * row + start;
-            const __m256 p = _mm256_set1_ps(scores[j]);
-            s0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), s0);
-            s1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), s1);
-            s2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), s2);
-            s3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), s3);
-            s4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), s4);
-            s5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), s5);
-            s6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), s6);
-            s7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), s7);
-        }
-        const __m256 norm = _mm256_set1_ps(inv_total);
         float *o = out + start;
-        _mm256_storeu_ps(o, _mm256_mul_ps(s0, norm));
-        _mm256_storeu_ps(o + 8, _mm256_mul_ps(s1, norm));
-        _mm256_storeu_ps(o + 16, _mm256_mul_ps(s2, norm));
-        _mm256_storeu_ps(o + 24, _mm256_mul_ps(s3, norm));
-        _mm256_storeu_ps(o + 32, _mm256_mul_ps(s4, norm));
-        _mm256_storeu_ps(o + 40, _mm256_mul_ps(s5, norm));
-        _mm256_storeu_ps(o + 48, _mm256_mul_ps(s6, norm));
-        _mm256_storeu_ps(o + 56, _mm256_mul_ps(s7, norm));
+        __m256 s[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) s[i] = _mm256_loadu_ps(o + 8 * i);
+        for (int64_t j = j0; j < j1; j++) {
+            const float *v = values + slots[j] * row + start;
+            const __m256 p = _mm256_set1_ps(weights[j]);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), s[i]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, s[i]);
     }
 #endif
-    if (start == dim) return;
-    memset(out + start, 0, (dim - start) * sizeof(float));
-    for (int64_t j = 0; j < length; j++) {
-        const float *v = values + slots[j] * row, p = scores[j];
+    for (int64_t j = j0; j < j1; j++) {
+        const float *v = values + slots[j] * row, p = weights[j];
 #pragma omp simd
         for (int64_t i = start; i < dim; i++) out[i] += p * v[i];
     }
-    for (int64_t i = start; i < dim; i++) out[i] *= inv_total;
+}
+
+/* scores[h * stride + j] = scale * (q_h . k_j) for the group's heads h (q [group, dim]) and the
+   keys j0 <= j < j0 + KEY_BLOCK (and < length), k_j = keys + slots[j] * row. The block's eight keys
+   are each summed in a register of their own (lane i: the products of dimensions i, i + 8, ..) and
+   reduced together: one fixed order for every key wherever it sits (a block short of eight
+   repeats its last key and drops the extra scores). One key per dot, reduced on its own, left the
+   multiply-adds waiting on each other. */
+#define KEY_BLOCK 8
+static void score_block(const float *q, int64_t group, int64_t dim, const float *keys, const int64_t *slots,
+                        int64_t j0, int64_t length, int64_t row, float scale, float *scores, int64_t stride) {
+    const int64_t count = length - j0 < KEY_BLOCK ? length - j0 : KEY_BLOCK;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (dim % 8 == 0) {
+        const float *k[KEY_BLOCK];
+        for (int i = 0; i < KEY_BLOCK; i++) k[i] = keys + slots[j0 + (i < count ? i : count - 1)] * row;
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = q + h * dim;
+            __m256 a[KEY_BLOCK];
+#pragma GCC unroll 8
+            for (int i = 0; i < KEY_BLOCK; i++) a[i] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+#pragma GCC unroll 8
+                for (int i = 0; i < KEY_BLOCK; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+            }
+            const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                              _mm256_permute2f128_ps(u0, u1, 0x31)); /* key i in lane i */
+            float block[KEY_BLOCK];
+            _mm256_storeu_ps(block, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+            memcpy(scores + h * stride + j0, block, count * sizeof(float));
+        }
+        return;
+    }
+#endif
+    for (int64_t j = j0; j < j0 + count; j++)
+        for (int64_t h = 0; h < group; h++)
+            scores[h * stride + j] = dot(q + h * dim, keys + slots[j] * row, dim) * scale;
+}
+
+/* Prefetch cache rows slots[j0 .. j1 - 1] (within length), floats from .. to of each. */
+static inline void prefetch_rows(const float *cache, const int64_t *slots, int64_t j0, int64_t j1,
+                                 int64_t length, int64_t row, int64_t from, int64_t to) {
+    for (int64_t j = j0; j < j1 && j < length; j++)
+        for (int64_t b = from; b < to; b += 16) __builtin_prefetch(cache + slots[j] * row + b);
+}
+
+/* One token's attention for the q heads of its kv heads g0 .. g1 - 1: q and out are the token's
+   rows (every head), its keys are cache rows slots[0 .. length - 1]. Blocks of keys go through all
+   of those kv heads at once, so each cache row is read in one piece (its kv heads side by side),
+   first for the scores, then for the values, with the next block's rows prefetched (at batch 8 a
+   small model's pass reads half as many bytes of cache as of weights: attention waits on memory).
+   Each head's result depends on nothing but its own inputs. scores: scratch, [(g1 - g0) group]
+   [stride] and (g1 - g0) group more. */
+#define VALUE_BLOCK 16
+static void attend_heads(const float *q, float *out, int64_t g0, int64_t g1, int64_t group, int64_t dim,
+                         const int64_t *slots, int64_t length, int64_t row, const float *k_cache,
+                         const float *v_cache, float scale, float *scores, int64_t stride) {
+    const int64_t count = (g1 - g0) * group; /* q heads */
+    float *inv_total = scores + count * stride, *o = out + g0 * group * dim;
+    for (int64_t j = 0; j < length; j += KEY_BLOCK) {
+        prefetch_rows(k_cache, slots, j + KEY_BLOCK, j + 2 * KEY_BLOCK, length, row, g0 * dim, g1 * dim);
+        for (int64_t g = g0; g < g1; g++)
+            score_block(q + g * group * dim, group, dim, k_cache + g * dim, slots, j, length, row, scale,
+                        scores + (g - g0) * group * stride, stride);
+    }
+    for (int64_t h = 0; h < count; h++) inv_total[h] = softmax_weights(scores + h * stride, length);
+    memset(o, 0, count * dim * sizeof(float));
+    for (int64_t j = 0; j < length; j += VALUE_BLOCK) {
+        const int64_t end = j + VALUE_BLOCK < length ? j + VALUE_BLOCK : length;
+        prefetch_rows(v_cache, slots, end, end + VALUE_BLOCK, length, row, g0 * dim, g1 * dim);
+        for (int64_t h = 0; h < count; h++)
+            add_weighted_values(scores + h * stride, v_cache + (g0 + h / group) * dim, slots, j, end, row, dim,
+                                o + h * dim);
+    }
+    for (int64_t h = 0; h < count; h++)
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[h * dim + i] *= inv_total[h];
 }
 
 /* Causal attention of each new token over its own sequence's cached keys: token t (sequence
    token_seqs[t], at position positions[t]) attends to the keys of positions 0..positions[t], whose
    flat cache rows are kv_slots[seq, 0..] (kv_slots [B, max_len]). q is read from qkv (rotated by
    rope_store_kv); out [T, H * D]. Grouped-query attention as Hugging Face repeats kv heads: q heads
-   g * group .. (g + 1) * group - 1 read kv head g. Each key is read once for its whole group
-   (memory traffic, not arithmetic, is what attention over a cache costs); each head's values are
-   then summed while they are in cache. Tokens and kv heads are shared out among threads, each
-   with its own scores; a token's result is the same on any thread. Returns 0, or -1 when the
-   scratch could not be allocated. */
+   g * group .. (g + 1) * group - 1 read kv head g. The threads' shares are tokens, each with all its
+   kv heads, or where there are fewer tokens than threads (a decode step at batch 1) a token's kv
+   heads split into up to one range per thread; each with its own scratch. A token's result is the
+   same whatever the split. Returns 0, or -1 when the scratch could not be allocated. */
 int attend(const float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
            const int64_t *token_seqs, const int64_t *positions, const int64_t *kv_slots,
            int64_t max_len, const float *k_cache, const float *v_cache, float scale, float *out) {
     const int64_t width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-    const int64_t row = kv_heads * dim;
+    const int64_t row = kv_heads * dim, threads = omp_get_max_threads();
+    const int64_t wanted = tokens >= threads ? 1 : (threads + tokens - 1) / tokens;
+    const int64_t parts = wanted < kv_heads ? wanted : kv_heads; /* kv-head ranges per token */
     int failed = 0;
 #pragma omp parallel if (tokens * max_len * heads * dim * 2 >= PARALLEL_MIN_FLOPS) reduction(| : failed)
     {
-        float *scores = malloc(group * max_len * sizeof(float));
+        float *scores = malloc((heads * max_len + heads) * sizeof(float));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t t = 0; t < tokens; t++) {
-            for (int64_t g = 0; g < kv_heads; g++) {
+            for (int64_t part = 0; part < parts; part++) {
                 if (!scores) continue;
-                const int64_t *slots = kv_slots + token_seqs[t] * max_len, length = positions[t] + 1;
-                const float *q = qkv + t * width + g * group * dim;
-                const float *keys = k_cache + g * dim, *values = v_cache + g * dim;
-                for (int64_t j = 0; j < length; j++) {
-                    const float *k = keys + slots[j] * row;
-                    for (int64_t h = 0; h < group; h++)
-                        scores[h * max_len + j] = dot(q + h * dim, k, dim) * scale;
-                }
-                for (int64_t h = 0; h < group; h++)
-                    weighted_sum(scores + h * max_len, values, slots, length, row, dim,
-                                 out + t * heads * dim + (g * group + h) * dim);
+                attend_heads(qkv + t * width, out + t * heads * dim, part * kv_heads / parts,
+                             (part + 1) * kv_heads / parts, group, dim, kv_slots + token_seqs[t] * max_len,
+                             positions[t] + 1, row, k_cache, v_cache, scale, scores, max_len);
             }
         }
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* out [rows] = the index of each row's largest value in x [rows, cols], as torch.argmax gives it:
+   the first of equal ones, or the row's first NaN where it has one (NaN counts as the largest).
+   One pass, sixteen lanes each keeping its largest value and where it was (the first: a later
+   equal one does not replace it), then the lanes' largest, the first index among equals. torch's
+   CPU argmax took half a millisecond for 8 rows of a 49,152-token vocabulary. */
+#define ARGMAX_LANES 16
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_FLOPS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * cols;
+        float best[ARGMAX_LANES];
+        int64_t at[ARGMAX_LANES];
+        int nan = 0;
+        for (int l = 0; l < ARGMAX_LANES; l++) best[l] = -INFINITY, at[l] = l < cols ? l : 0;
+        int64_t i = 0;
+        for (; i + ARGMAX_LANES <= cols; i += ARGMAX_LANES)
+#pragma omp simd reduction(| : nan)
+            for (int l = 0; l < ARGMAX_LANES; l++) {
+                const float value = v[i + l];
+                nan |= value != value;
+                at[l] = value > best[l] ? i + l : at[l];
+                best[l] = value > best[l] ? value : best[l];
+            }
+        for (int l = 0; i + l < cols; l++) { /* the tail, in lanes 0.. (later than the lanes' indices) */
+            const float value = v[i + l];
+            nan |= value != value;
+            if (value > best[l]) best[l] = value, at[l] = i + l;
+        }
+        int64_t found = at[0];
+        float top = best[0];
+        for (int l = 1; l < ARGMAX_LANES; l++)
+            if (best[l] > top || (best[l] == top && at[l] < found)) top = best[l], found = at[l];
+        if (nan)
+            for (found = 0; v[found] == v[found]; found++) {}
+        out[r] = found;
+    }
 }
 
 /* --- projections ------------------------------------------------------------------------------
@@ -328,15 +454,16 @@ static inline int32_t quad_code(const uint8_t *quad, int64_t bits, int j, int i)
     return (z & 1) ? byte >> 4 : byte & 15;
 }
 
-/* Each row of x [M, K] quantized per group: xq [M, K], dx [M, K / QGROUP], xsum [M, K / QGROUP]. */
+/* Each row of x [M, K] quantized per group: xq [M, K], dx [M, K / QGROUP], xsum [M, K / QGROUP].
+   Called inside a parallel region, whose threads share the groups. */
 static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, float *dx, int32_t *xsum) {
     const int64_t groups = k_len / QGROUP;
-#pragma omp parallel for schedule(static) if (m * k_len * 8 >= PARALLEL_MIN_FLOPS)
+#pragma omp for schedule(static) collapse(2)
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + r * k_len + g * QGROUP;
-            float amax = 0.0f;
-            for (int k = 0; k < QGROUP; k++) amax = fmaxf(amax, fabsf(v[k]));
+            float amax = 0.0f; /* not fmaxf: gcc calls libm's for each number */
+            for (int k = 0; k < QGROUP; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int32_t sum = 0;
             for (int k = 0; k < QGROUP; k++) {
@@ -349,105 +476,146 @@ static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, 
         }
 }
 
-/* y [rows][cols] (row stride y_stride) of one panel: rows (1-4) quantized input rows (xq, dx, xsum
-   of those rows, row stride k_len and groups) times the panel's codes, scales d and minimums mn
-   [groups][PANEL] (mn may be NULL), + bias (may be NULL), in the chain above. */
+/* Columns HALF * half .. of one panel (its y [rows][cols], row stride y_stride, cols counted from
+   the panel's first column): rows (1-ROWS) quantized input rows (xq, dx, xsum of those rows, row
+   stride k_len and groups) times the panel's codes, scales d and minimums mn [groups][PANEL] (mn
+   may be NULL), + bias (the panel's; may be NULL), in the chain above. */
+#define HALF (PANEL / 2)
+#define ROWS 8
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QUANT_DOT_SIMD 1
-/* Half a panel (32 columns) at a time, so that every row's int32 sums and float accumulators stay
-   in registers across the groups (4 rows: 16 of the 32 vector registers). */
+/* Half a panel (32 columns, two vectors) for up to eight rows at a time: sixteen independent int32
+   sums keep both of the CPU's dot-product units busy (four rows' eight sums were latency-bound, at
+   about half the rate), and each weight quad is loaded and unpacked once for all the rows. */
 static inline __attribute__((always_inline)) void panel_rows_quantized(
     const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
-    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const float *bias, int64_t cols,
-    float *y, int64_t y_stride) {
+    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const int half, const float *bias,
+    int64_t cols, float *y, int64_t y_stride) {
     const __m512i low = _mm512_set1_epi8(15);
     const int64_t quad_bytes = PANEL * bits / 2;
-    for (int half = 0; half < 2; half++) {
-        __m512 acc[4][2];
-        for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            __m512i products[4][2];
-            for (int r = 0; r < rows; r++) products[r][0] = products[r][1] = _mm512_setzero_si512();
-            for (int q = 0; q < QUADS; q++) {
-                const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes;
-                __m512i w0, w1;
-                if (bits == 8) {
-                    w0 = _mm512_loadu_si512(quad + 128 * half), w1 = _mm512_loadu_si512(quad + 128 * half + 64);
-                } else {
-                    const __m512i both = _mm512_loadu_si512(quad + 64 * half);
-                    w0 = _mm512_and_si512(both, low), w1 = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
-                }
-                for (int r = 0; r < rows; r++) {
-                    int32_t four;
-                    memcpy(&four, xq + r * k_len + g * QGROUP + 4 * q, 4);
-                    const __m512i xv = _mm512_set1_epi32(four);
-                    products[r][0] = _mm512_dpbusd_epi32(products[r][0], w0, xv);
-                    products[r][1] = _mm512_dpbusd_epi32(products[r][1], w1, xv);
-                }
+    /* The float accumulators: in registers for up to four rows, in memory for more (the registers
+       then hold the sums). */
+    __m512 held[4][2];
+    float acc[ROWS][HALF] __attribute__((aligned(64)));
+    for (int r = 0; r < rows; r++) {
+        if (rows <= 4) held[r][0] = held[r][1] = _mm512_setzero_ps();
+        else memset(acc[r], 0, sizeof acc[r]);
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i products[ROWS][2];
+        for (int r = 0; r < rows; r++) products[r][0] = products[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int q = 0; q < QUADS; q++) {
+            const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes;
+            __m512i w0, w1;
+            if (bits == 8) {
+                w0 = _mm512_loadu_si512(quad + 128 * half), w1 = _mm512_loadu_si512(quad + 128 * half + 64);
+            } else {
+                const __m512i both = _mm512_loadu_si512(quad + 64 * half);
+                w0 = _mm512_and_si512(both, low), w1 = _mm512_and_si512(_mm512_srli_epi16(both, 4), low);
             }
-            const uint16_t *dg = d + g * PANEL + 32 * half;
-            const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dg));
-            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + 16)));
             for (int r = 0; r < rows; r++) {
-                const int32_t sum = xsum[r * groups + g];
-                const float scale = dx[r * groups + g];
-                if (bits == 8) { /* the codes were stored + 128 */
-                    const __m512i offset = _mm512_set1_epi32(128 * sum);
-                    products[r][0] = _mm512_sub_epi32(products[r][0], offset);
-                    products[r][1] = _mm512_sub_epi32(products[r][1], offset);
-                }
-                const __m512 sv = _mm512_set1_ps(scale);
-                acc[r][0] = _mm512_fmadd_ps(d0, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(products[r][0])), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(d1, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(products[r][1])), acc[r][1]);
-                if (mn) {
-                    const __m512 xs = _mm512_set1_ps(scale * (float)sum);
-                    const uint16_t *mg = mn + g * PANEL + 32 * half;
-                    const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mg));
-                    const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + 16)));
-                    acc[r][0] = _mm512_fmadd_ps(m0, xs, acc[r][0]);
-                    acc[r][1] = _mm512_fmadd_ps(m1, xs, acc[r][1]);
-                }
+                int32_t four;
+                memcpy(&four, xq + r * k_len + g * QGROUP + 4 * q, 4);
+                const __m512i xv = _mm512_set1_epi32(four);
+                products[r][0] = _mm512_dpbusd_epi32(products[r][0], w0, xv);
+                products[r][1] = _mm512_dpbusd_epi32(products[r][1], w1, xv);
             }
         }
+        const uint16_t *dg = d + g * PANEL + HALF * half, *mg = mn ? mn + g * PANEL + HALF * half : dg;
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dg));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dg + 16)));
+        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mg)); /* unused without mn */
+        const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + 16)));
         for (int r = 0; r < rows; r++) {
-            float out[32];
-            _mm512_storeu_ps(out, acc[r][0]), _mm512_storeu_ps(out + 16, acc[r][1]);
-            for (int64_t j = 0; j < 32 && 32 * half + j < cols; j++)
-                y[r * y_stride + 32 * half + j] = bias ? out[j] + bias[32 * half + j] : out[j];
+            const int32_t sum = xsum[r * groups + g];
+            const float scale = dx[r * groups + g];
+            if (bits == 8) { /* the codes were stored + 128 */
+                const __m512i offset = _mm512_set1_epi32(128 * sum);
+                products[r][0] = _mm512_sub_epi32(products[r][0], offset);
+                products[r][1] = _mm512_sub_epi32(products[r][1], offset);
+            }
+            const __m512 sv = _mm512_set1_ps(scale);
+            __m512 a0 = rows <= 4 ? held[r][0] : _mm512_load_ps(acc[r]);
+            __m512 a1 = rows <= 4 ? held[r][1] : _mm512_load_ps(acc[r] + 16);
+            a0 = _mm512_fmadd_ps(d0, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(products[r][0])), a0);
+            a1 = _mm512_fmadd_ps(d1, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(products[r][1])), a1);
+            if (mn) {
+                const __m512 xs = _mm512_set1_ps(scale * (float)sum);
+                a0 = _mm512_fmadd_ps(m0, xs, a0), a1 = _mm512_fmadd_ps(m1, xs, a1);
+            }
+            if (rows <= 4) held[r][0] = a0, held[r][1] = a1;
+            else _mm512_store_ps(acc[r], a0), _mm512_store_ps(acc[r] + 16, a1);
         }
+    }
+    if (rows <= 4)
+        for (int r = 0; r < rows; r++)
+            _mm512_store_ps(acc[r], held[r][0]), _mm512_store_ps(acc[r] + 16, held[r][1]);
+    const int64_t width = cols - HALF * half < HALF ? cols - HALF * half : HALF;
+    for (int r = 0; r < rows; r++) {
+        float *out = y + r * y_stride + HALF * half;
+        if (bias)
+#pragma omp simd
+            for (int64_t j = 0; j < width; j++) out[j] = acc[r][j] + bias[HALF * half + j];
+        else
+            memcpy(out, acc[r], width * sizeof(float));
     }
 }
 #else
 #define QUANT_DOT_SIMD 0
 static inline void panel_rows_quantized(
     const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
-    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const float *bias, int64_t cols,
-    float *y, int64_t y_stride) {
+    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const int half, const float *bias,
+    int64_t cols, float *y, int64_t y_stride) {
     const int64_t quad_bytes = PANEL * bits / 2;
     for (int r = 0; r < rows; r++) {
-        float acc[PANEL] = {0};
+        float acc[HALF] = {0};
         for (int64_t g = 0; g < groups; g++) {
             const int32_t sum = xsum[r * groups + g];
             const float scale = dx[r * groups + g], xs = scale * (float)sum;
-            for (int j = 0; j < PANEL; j++) {
+            for (int i = 0; i < HALF; i++) {
+                const int j = HALF * half + i;
                 int32_t products = 0;
                 for (int q = 0; q < QUADS; q++)
-                    for (int i = 0; i < 4; i++)
-                        products += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, i)
-                               * xq[r * k_len + g * QGROUP + 4 * q + i];
-                acc[j] = fmaf(half_to_float(d[g * PANEL + j]), scale * (float)products, acc[j]);
-                if (mn) acc[j] = fmaf(half_to_float(mn[g * PANEL + j]), xs, acc[j]);
+                    for (int b = 0; b < 4; b++)
+                        products += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, b)
+                               * xq[r * k_len + g * QGROUP + 4 * q + b];
+                acc[i] = fmaf(half_to_float(d[g * PANEL + j]), scale * (float)products, acc[i]);
+                if (mn) acc[i] = fmaf(half_to_float(mn[g * PANEL + j]), xs, acc[i]);
             }
         }
-        for (int64_t j = 0; j < cols; j++) y[r * y_stride + j] = bias ? acc[j] + bias[j] : acc[j];
+        for (int64_t i = 0; i < HALF && HALF * half + i < cols; i++)
+            y[r * y_stride + HALF * half + i] = bias ? acc[i] + bias[HALF * half + i] : acc[i];
     }
 }
 #endif
 
+/* rows [T, K] = the columns index [T] of a quantized weight [K, N] (codes, scales and minimums as
+   above; mins may be NULL) as floats, each d * c then + m, rounded as torch rounds codes * d + m:
+   the embedding rows of a model whose LM head is its embedding, at a few microseconds a token. */
+void quantized_columns(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, int64_t bits,
+                       int64_t k_len, const int64_t *index, int64_t count, float *rows) {
+    const int64_t groups = k_len / QGROUP, panel_bytes = k_len * PANEL * bits / 8;
+    const int64_t quad_bytes = PANEL * bits / 2;
+    for (int64_t t = 0; t < count; t++) {
+        const int64_t p = index[t] / PANEL;
+        const int j = (int)(index[t] % PANEL);
+        const uint8_t *c = codes + p * panel_bytes;
+        const uint16_t *d = scales + p * groups * PANEL, *mn = mins ? mins + p * groups * PANEL : 0;
+        float *row = rows + t * k_len;
+        for (int64_t k = 0; k < k_len; k++) {
+            const int64_t g = k / QGROUP;
+            const int32_t code = quad_code(c + (k / 4) * quad_bytes, bits, j, (int)(k % 4));
+            const float scaled = (float)code * half_to_float(d[g * PANEL + j]);
+            row[k] = mn ? scaled + half_to_float(mn[g * PANEL + j]) : scaled;
+        }
+    }
+}
+
 int64_t quant_dot_simd(void) { return QUANT_DOT_SIMD; }
 
 /* y [M, N] = x [M, K] @ w (+ bias [N]), w quantized to `bits` (8 or 4) as above; mins and bias may
-   be NULL. K is a multiple of QGROUP. Panels are shared out among threads, rows four at a time.
+   be NULL. K is a multiple of QGROUP.
    Returns -1 when the quantized rows find no memory, else 0. */
 int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, const uint8_t *codes,
                      const uint16_t *scales, const uint16_t *mins, int64_t n, const float *bias, float *y) {
@@ -460,23 +628,34 @@ int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, con
         free(xq), free(dx), free(xsum);
         return -1;
     }
-    quantize_rows(x, m, k_len, xq, dx, xsum);
-#pragma omp parallel for schedule(static) if (m * k_len * n * 2 >= PARALLEL_MIN_FLOPS && count > 1)
-    for (int64_t p = 0; p < count; p++) {
-        const uint8_t *c = codes + p * panel_bytes;
-        const uint16_t *d = scales + p * groups * PANEL, *mn = mins ? mins + p * groups * PANEL : 0;
-        const float *b = bias ? bias + p * PANEL : 0;
-        const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-        for (int64_t r = 0; r < m; r += 4) {
-            const int8_t *xr = xq + r * k_len;
-            const float *dr = dx + r * groups;
-            const int32_t *sr = xsum + r * groups;
-            float *yr = y + r * n + p * PANEL;
-            switch (m - r < 4 ? m - r : 4) { /* each case a copy with the row count fixed */
-                case 4: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 4, b, cols, yr, n); break;
-                case 3: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 3, b, cols, yr, n); break;
-                case 2: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 2, b, cols, yr, n); break;
-                default: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 1, b, cols, yr, n);
+    /* One team for both loops: the input rows' groups shared out, then half panels (an odd panel
+       count still splits evenly), rows eight at a time; a half past the last column (n % PANEL <=
+       HALF) has nothing to do. */
+#pragma omp parallel if (m * k_len * n * 2 >= PARALLEL_MIN_FLOPS && count > 1)
+    {
+        quantize_rows(x, m, k_len, xq, dx, xsum);
+#pragma omp for schedule(static)
+        for (int64_t share = 0; share < 2 * count; share++) {
+            const int64_t p = share / 2;
+            const int half = (int)(share % 2);
+            const uint8_t *c = codes + p * panel_bytes;
+            const uint16_t *d = scales + p * groups * PANEL, *mn = mins ? mins + p * groups * PANEL : 0;
+            const float *b = bias ? bias + p * PANEL : 0;
+            const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+            if (HALF * half >= cols) continue;
+            for (int64_t r = 0; r < m; r += ROWS) {
+                const int8_t *xr = xq + r * k_len;
+                const float *dr = dx + r * groups;
+                const int32_t *sr = xsum + r * groups;
+                float *yr = y + r * n + p * PANEL;
+#define ROWS_CASE(R) \
+    case R: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, R, half, b, cols, yr, n); break;
+                switch (m - r < ROWS ? m - r : ROWS) { /* each case a copy with the row count fixed */
+                    ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5) ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2)
+                    default:
+                        panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 1, half, b, cols, yr, n);
+                }
+#undef ROWS_CASE
             }
         }
     }

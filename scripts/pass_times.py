@@ -2,6 +2,7 @@
 """Milliseconds of single forward passes of the shipped pair, for A/B runs between commits.
 
     PYTHONPATH=<checkout> python scripts/pass_times.py <checkout>   # one JSON line per run
+    PYTHONPATH=<checkout> python scripts/pass_times.py <checkout> MODEL ...   # other models (a GGUF file)
 
 Passes (batch x new tokens) of 1 x 1, 1 x 6, 8 x 1 and 8 x 6 over a 200-token context, and a
 300-token prompt, for the target and the draft; each the best of 3 x 30 passes (3 x 3 for the
@@ -56,12 +57,13 @@ def model_times(path: str) -> dict:
     return times
 
 
-def main(root: str) -> dict:
+def main(root: str, models: list[str]) -> dict:
     sys.path.insert(0, root)  # the checkout measured, whatever is installed
     torch.set_num_threads(2)
-    return {f"{name} {k}": v for name in ("target", "draft")
-            for k, v in model_times(os.path.join(root, "models", name)).items()}
+    named = {os.path.basename(m): m for m in models} or {
+        name: os.path.join(root, "models", name) for name in ("target", "draft")}
+    return {f"{name} {k}": v for name, path in named.items() for k, v in model_times(path).items()}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else ".")))
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else ".", sys.argv[2:])))

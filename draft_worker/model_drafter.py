@@ -15,6 +15,7 @@ import torch
 from draft_worker.draft_tree import DraftedTree, TreeGrowth, distinct_children
 from draft_worker.drafter import Drafter
 from specdec.kv_cache import PagedKVCache
+from specdec.model.cpu_kernels import row_argmax
 from specdec.model.runner import ModelRunner
 from specdec.params import SamplingParams
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
@@ -47,12 +48,13 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]],
-                  max_q_entries: int | None, ranks: list[int] | None = None
+                  max_q_entries: int | None, ranks: list[int] | None = None, kernels=None
                   ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Pick one token per row; return (tokens [N], {row: (q ids [n], q probs [n])} of sampled rows).
 
     logits: [N, V]; contexts[r]: row r's tokens so far, so len(contexts[r]) is the position of the
-    token it picks; ranks[r] its rank in a token tree (None: all 0). A sampled row's q is its top
+    token it picks; ranks[r] its rank in a token tree (None: all 0); kernels: the model's C kernels
+    (greedy rows' argmax; None: torch's). A sampled row's q is its top
     max_q_entries probabilities, renormalised, and the token is drawn from exactly that q with the
     request's DRAFT uniform at that position (and rank): the q sent to the target is the
     distribution the token came from (any q would keep the method exact; a close one keeps
@@ -60,7 +62,7 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
     """
     needs_presence = any(p.repetition_penalty != 1.0 for p in params)
     if all(p.greedy for p in params) and not needs_presence:
-        return logits.argmax(dim=-1), {}
+        return row_argmax(logits, kernels), {}
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not needs_presence and all(params[i].top_p == 1.0 for i in rows):
         # Temperature (and top-k) only: dividing by T keeps the order of the logits, so the top
@@ -192,7 +194,8 @@ class ModelDrafter(Drafter):
                     row_contexts += [context[req_id] + tree.tokens[j] for j in tree.growing]
                     row_ranks += range(len(tree.growing))  # (its rank among the nodes of its depth)
             if rows:
-                tokens, q = choose_tokens(torch.cat(rows), row_params, row_contexts, self.max_q_entries, row_ranks)
+                tokens, q = choose_tokens(torch.cat(rows), row_params, row_contexts, self.max_q_entries, row_ranks,
+                                          self.runner.model.kernels)
                 tokens = tokens.tolist()
             row = 0
             for req_id, seq in zip(ids, seqs):

@@ -75,6 +75,8 @@ def test_argmax_gives_torchs_index_for_ties_infinities_and_nans(threads):
     padded = x.view(3, 3, 49152)[:, :2]  # not contiguous; [3, 2] indices
     assert torch.equal(kernels_module.row_argmax(padded, kernels), padded.argmax(dim=-1))
     assert torch.equal(kernels_module.row_argmax(x.double(), kernels), x.argmax(dim=-1))  # torch's, for doubles
+    with pytest.raises(KernelArgumentError, match="argmax"):
+        kernels.argmax(torch.empty(2, 0))
 
 
 @needs_kernels

@@ -222,10 +222,10 @@ class CpuKernels:
         if status != 0:
             raise MemoryError("attend: no memory for the attention scores")
 
-
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """[M] int64: torch.argmax(x [M, N], dim=-1) (the first of equal values; a row's first NaN)."""
         rows, cols = x.shape
+        _expect(cols > 0, f"argmax: x {tuple(x.shape)} has no columns")
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.argmax_rows(_ptr(x), rows, cols, _ptr(out, torch.int64))
         return out

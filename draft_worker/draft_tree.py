@@ -17,7 +17,7 @@ import torch
 
 from specdec.model.batch import TreeNodes
 from specdec.sampling import DRAFT, sample_from_probs, uniforms
-from specdec.sampling.tree import chains_parents
+from specdec.sampling.tree import chains_parents, side_branch_depth
 
 QRow = tuple[torch.Tensor, torch.Tensor]  # a sparse distribution: ids [n], probs [n]
 
@@ -72,7 +72,7 @@ class TreeGrowth:
     def __init__(self, branches: int, start: int, depth: int, side_depth: int):
         self.branches = branches  # asked for; the root's children may be fewer (add_root)
         self.start = start  # the cache index of the first node fed
-        self.depths = [depth] + [min(depth, side_depth) if side_depth else depth] * (branches - 1)
+        self.depths = [depth] + [side_branch_depth(depth, side_depth)] * (branches - 1)
         self.tokens: list[list[int]] = []
         self.q_rows: list[list[QRow]] = []
         self.paths: list[list[int]] = []  # cache indices of each branch's fed nodes (start + their index in cached)

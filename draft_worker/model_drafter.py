@@ -61,7 +61,7 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
     acceptance high).
     """
     needs_presence = any(p.repetition_penalty != 1.0 for p in params)
-    if all(p.greedy for p in params) and not needs_presence:
+    if all(p.argmax_only for p in params):
         return row_argmax(logits, kernels), {}
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not needs_presence and all(params[i].top_p == 1.0 for i in rows):

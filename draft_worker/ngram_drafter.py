@@ -13,7 +13,7 @@ import torch
 from draft_worker.drafter import Drafter
 from specdec.config import NGRAM
 from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
-from specdec.sampling.tree import chains_parents
+from specdec.sampling.tree import chains_parents, side_branch_depth
 
 
 def lookup_continuation(tokens: list[int], max_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -79,7 +79,7 @@ class NgramDrafter(Drafter):
             elif task.num_speculative_tokens > 0:
                 found = lookup_continuations(context[-self.window:], task.num_speculative_tokens, self.max_ngram,
                                              self.min_ngram, task.branches)
-                side = task.side_depth or task.num_speculative_tokens
+                side = side_branch_depth(task.num_speculative_tokens, task.side_depth)
                 found = found[:1] + [branch[:side] for branch in found[1:]]
                 draft = [token for branch in found for token in branch]
                 if len(found) > 1:  # a tree of chains, depth-first, when several matches differ

@@ -34,6 +34,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with no repetition penalty: each token is the raw logits' argmax, so no
+        distribution needs building."""
+        return self.greedy and self.repetition_penalty == 1.0
+
     def validate(self) -> None:
         """Raise ValueError naming the offending field; the gRPC layer maps it to INVALID_ARGUMENT."""
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -21,7 +21,7 @@ def accept_tree(task: VerifyTask, committed: list[int], seed: int, logits: torch
     """-> (the accepted nodes from the root down, the next token). logits: [1 + N, V]."""
     params: SamplingParams = task.params
     tokens, parents = task.draft_tokens, task.parents
-    if params.greedy and params.repetition_penalty == 1.0:  # the logits' argmax is p's: no distributions
+    if params.argmax_only:  # the logits' argmax is p's
         return tree_verify(logits[0], logits[1:], None, tokens, parents, True, None, None)
     presence = None
     if params.repetition_penalty != 1.0:  # each row's context: the committed tokens, then its path

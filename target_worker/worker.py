@@ -197,7 +197,7 @@ class TargetWorker:
         """One token per sequence from its last logits [B, V]: argmax, or a draw with its TARGET
         uniform at the position (what speculative_verify does with nothing proposed)."""
         params = [s.params for s in seqs]
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):  # no distributions needed
+        if all(p.argmax_only for p in params):
             return row_argmax(logits, self.runner.model.kernels).tolist()
         presence = None
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -220,7 +220,7 @@ class TargetWorker:
         if k_max == 0:  # nothing proposed: plain decoding, the target's own sample at each position
             return [0] * len(tasks), self._sample(seqs, torch.cat(logits))
         padded = padded_logits(logits, k_max + 1)
-        if all(p.greedy for p in params) and all(p.repetition_penalty == 1.0 for p in params):
+        if all(p.argmax_only for p in params):
             return greedy_accept(row_argmax(padded, self.runner.model.kernels), [t.draft_tokens for t in tasks])
         draft = pad_rows([t.draft_tokens for t in tasks], k_max, device)
         proposed = torch.tensor(num_proposed, device=device)

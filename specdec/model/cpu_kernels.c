@@ -87,6 +87,15 @@ void rope_store_kv(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, 
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The sum of a vector's eight floats, in one fixed order. */
+static inline float lanes_sum(__m256 lanes) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+#endif
+
 /* a . b over n floats. */
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
@@ -98,10 +107,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
         even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
         odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
     }
-    const __m256 both = _mm256_add_ps(even, odd);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    sum = lanes_sum(_mm256_add_ps(even, odd));
 #endif
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
@@ -151,9 +157,7 @@ static inline float sum_in_order(const float *x, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 lanes = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(x + i));
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    sum = lanes_sum(lanes);
 #endif
     for (; i < n; i++) sum += x[i];
     return sum;

@@ -15,7 +15,6 @@ import torch
 
 from specdec.kv_cache import PagedKVCache
 from specdec.model.batch import ForwardBatch
-from specdec.model.panels import QuantizedPanelWeight
 
 
 def kernel_forward_fits(batch: ForwardBatch, max_positions: int) -> bool:
@@ -30,9 +29,7 @@ def kernel_forward(model, batch: ForwardBatch, cache: PagedKVCache) -> torch.Ten
     c, w, kernels = model.config, model.weights, model.kernels
     tokens = batch.num_tokens
     heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    # [T, hidden] the residual stream (a fresh copy; a quantized embedding's rows decoded in C)
-    quantized = isinstance(w.embed, QuantizedPanelWeight)
-    x = kernels.columns(w.embed, batch.input_ids) if quantized else w.embed_rows(batch.input_ids)
+    x = w.embed_rows(batch.input_ids, kernels)  # [T, hidden] the residual stream (a fresh copy)
     h = torch.empty_like(x)  # [T, hidden] each norm's output
     scratch = {"qkv": x.new_empty(tokens, (heads + 2 * kv_heads) * dim), "attn": x.new_empty(tokens, heads * dim),
                "out": torch.empty_like(x),  # a block's output (attention's, then the MLP's)

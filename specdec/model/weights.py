@@ -68,11 +68,12 @@ class ModelWeights:
         add(self.embed, self.final_norm)
         return sum(seen.values())
 
-    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of token_ids [T]: [T, hidden] (a fresh tensor)."""
+    def embed_rows(self, token_ids: torch.Tensor, kernels=None) -> torch.Tensor:
+        """The embeddings of token_ids [T]: [T, hidden] (a fresh tensor). A quantized embedding's
+        rows are decoded in `kernels` (model.cpu_kernels) where given, else by torch's ops."""
         if isinstance(self.embed, torch.Tensor):
             return self.embed.index_select(0, token_ids)
-        return self.embed.columns(token_ids)
+        return self.embed.columns(token_ids) if kernels is None else kernels.columns(self.embed, token_ids)
 
 
 def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor | QuantizedMatrix], device: torch.device | str,

@@ -78,10 +78,16 @@ def residual_after_rejection(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual / total if total > 0 else r
 
 
+def side_branch_depth(depth: int, side_depth: int) -> int:
+    """How deep the root's children after the first grow when the first grows `depth` deep:
+    side_depth, at most `depth` (0: as deep as the first)."""
+    return min(depth, side_depth) if side_depth else depth
+
+
 def tree_size(depth: int, branches: int, side_depth: int) -> int:
     """Nodes of a tree of `branches` children of the root, the first grown `depth` deep and the
-    others side_depth deep (0: as deep as the first): what a round of that shape verifies."""
-    return depth + (branches - 1) * (min(depth, side_depth) if side_depth else depth)
+    others side_branch_depth deep: what a round of that shape verifies."""
+    return depth + (branches - 1) * side_branch_depth(depth, side_depth)
 
 
 def is_chain(parents: list[int]) -> bool:

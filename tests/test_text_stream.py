@@ -1,5 +1,6 @@
 """Incremental detokenisation: text equals the full decode, stop strings cut exactly, partial
-stop strings and half UTF-8 characters are held back until resolved."""
+stop strings and half UTF-8 characters are held back until resolved; the text is decoded a tail
+at a time only where that gives the full decode's text."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from coordinator.rounds.tail_decoder import TailDecoder, decodes_in_pieces
 from coordinator.rounds.text_stream import TextStream, held_back_suffix
 
 CORPUS = [
@@ -258,6 +260,97 @@ def test_random_streams_against_a_reference(tokenizer):
             cut = min(text.find(s) for s in stops if s in text)
             assert hit and kept == ids[:n_stop], (trial, stops)
             assert "".join(chunks) == text[:cut], (trial, stops)
+
+
+# ---------------------------------------------------------------- a tail at a time
+
+SHIPPED_TOKENIZER = "models/target"
+
+
+@pytest.fixture(params=["test BPE", "shipped"])
+def byte_level(request, tokenizer):
+    if request.param == "test BPE":
+        return tokenizer
+    return transformers.AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+
+
+def id_pool(tok) -> list[int]:
+    """Whole words, lone bytes of multi-byte characters, special tokens and any id at all."""
+    rng = random.Random(5)
+    pool = enc(tok, *"the 日本語 🙂 é 𝄞 ok\n".split(" "))
+    pool += [i for i in enc(tok, "日🙂𝄞€") for _ in range(4)]
+    pool += list(tok.all_special_ids) * 4
+    pool += [rng.randrange(len(tok)) for _ in range(40)]
+    return pool
+
+
+def test_tail_decode_equals_the_whole_decode_at_every_step(byte_level):
+    assert decodes_in_pieces(byte_level)
+    pool = id_pool(byte_level)
+    rng = random.Random(11)
+    for trial in range(60):
+        decoder, ids = TailDecoder(byte_level), []
+        for _ in range(rng.randrange(1, 12)):
+            ids += [rng.choice(pool) for _ in range(rng.randrange(1, 6))]
+            assert decoder.text(ids) == byte_level.decode(ids, skip_special_tokens=True), (trial, ids)
+
+
+class CountingTokenizer:
+    """Counts the token ids it decodes; everything else is the wrapped tokenizer's."""
+
+    def __init__(self, inner):
+        self.inner, self.decoded = inner, 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.inner.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_long_response_decodes_each_token_a_bounded_number_of_times(tokenizer):
+    """Decoding everything each round read n^2 / 2 tokens over a response of n: 2 million here."""
+    counting = CountingTokenizer(tokenizer)
+    stream = TextStream(counting, ("never said",))
+    words = enc(tokenizer, "hello", " world", " 日", " the", " end")
+    ids = [words[i % len(words)] for i in range(2000)]
+    released = "".join(stream.add([t])[1] for t in ids) + stream.finish()
+    assert released == tokenizer.decode(ids, skip_special_tokens=True)
+    assert counting.decoded < 4 * len(ids)
+
+
+class CleaningTokenizer(PreTrainedTokenizerFast):
+    """Post-processes the joined text, as clean_up_tokenization_spaces does: " ." becomes "."."""
+
+    def decode(self, ids, **kwargs):
+        return super().decode(ids, **kwargs).replace(" .", ".")
+
+
+def sentencepiece_like_tokenizer():
+    """Metaspace decoding: the whole text's first space is dropped, so pieces do not add up."""
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "▁.": 3, "x": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece-like", "cleaning"])
+def test_decoders_that_join_across_tokens_are_decoded_whole(tokenizer, kind):
+    if kind == "cleaning":
+        tok = CleaningTokenizer(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>")
+        ids = enc(tok, "hello", " .", " world", " .")
+    else:
+        tok = sentencepiece_like_tokenizer()
+        ids = [1, 2, 3, 1, 4]
+    assert not decodes_in_pieces(tok)
+    decoder = TailDecoder(tok)
+    for n in range(1, len(ids) + 1):
+        assert decoder.text(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=True)
+    # the pieces alone would not give it: that is why it is decoded whole
+    whole = tok.decode(ids, skip_special_tokens=True)
+    assert "".join(tok.decode([t], skip_special_tokens=True) for t in ids) != whole
 
 
 # ---------------------------------------------------------------- through the engine

@@ -2,9 +2,12 @@
 
 Text is released only when it is final: a trailing partial UTF-8 character ("\\ufffd") waits for
 its next byte, and a suffix that could still grow into a stop string waits until it cannot, so a
-client never receives text that a later stop string would have cut.
+client never receives text that a later stop string would have cut. The text is decoded a tail at a
+time where that gives the whole decode's text (coordinator.rounds.tail_decoder).
 """
 from __future__ import annotations
+
+from coordinator.rounds.tail_decoder import TailDecoder
 
 
 def held_back_suffix(text: str, stops: tuple[str, ...]) -> int:
@@ -21,14 +24,14 @@ def held_back_suffix(text: str, stops: tuple[str, ...]) -> int:
 class TextStream:
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        self.decoder = TailDecoder(tokenizer) if tokenizer is not None else None
         self.stops = stops
         self.token_ids: list[int] = []
         self.sent = 0  # characters of the full text already released
 
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _text(self) -> str:
+        """The text of all tokens so far (self.token_ids only grow, as TailDecoder needs)."""
+        return self.decoder.text(self.token_ids) if self.decoder is not None else ""
 
     def add(self, new_ids: list[int]) -> tuple[list[int], str, bool]:
         """Append committed tokens. Returns (tokens kept, text to release now, stop hit).
@@ -44,7 +47,7 @@ class TextStream:
             kept.append(token)
             self.token_ids.append(token)
             if self.stops:
-                text = self._decode(self.token_ids)
+                text = self._text()
                 # Only the tail can contain a new match: earlier text was already checked.
                 window = max(0, self.sent - max(len(s) for s in self.stops))
                 hits = [i for i in (text.find(s, window) for s in self.stops) if i >= 0]
@@ -56,7 +59,7 @@ class TextStream:
         return kept, self._release(final=False), False
 
     def _release(self, final: bool) -> str:
-        text = self._decode(self.token_ids)
+        text = self._text()
         end = len(text)
         if not final:
             if text.endswith("\ufffd"):
@@ -76,4 +79,4 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        return self._decode(self.token_ids)
+        return self._text()

@@ -3,6 +3,7 @@
 
     PYTHONPATH=<checkout> python scripts/pass_times.py <checkout>   # one JSON line per run
     PYTHONPATH=<checkout> python scripts/pass_times.py <checkout> MODEL ...   # other models (a GGUF file)
+    ... --kv-cache-dtype float16   # the models' KV caches in float16 (load_model's kv_cache_dtype)
 
 Passes (batch x new tokens) of 1 x 1, 1 x 6, 8 x 1 and 8 x 6 over a 200-token context, and a
 300-token prompt, for the target and the draft; each the best of 3 x 30 passes (3 x 3 for the
@@ -11,6 +12,7 @@ prompt), 2 threads. Run two checkouts alternately, several times each, and compa
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -30,11 +32,11 @@ def best_ms(fn, reps: int) -> float:
     return best * 1e3
 
 
-def model_times(path: str) -> dict:
+def model_times(path: str, kv_cache_dtype: str) -> dict:
     from specdec.model.batch import prepare_forward
     from specdec.model.decoder import load_model
 
-    model = load_model(path)
+    model = load_model(path, kv_cache_dtype=kv_cache_dtype)
     cache = model.new_kv_cache(1024, 16)
     seqs = [f"s{i}" for i in range(8)]
     for seq in seqs + ["prompt"]:
@@ -57,13 +59,18 @@ def model_times(path: str) -> dict:
     return times
 
 
-def main(root: str, models: list[str]) -> dict:
+def main(root: str, models: list[str], kv_cache_dtype: str = "auto") -> dict:
     sys.path.insert(0, root)  # the checkout measured, whatever is installed
     torch.set_num_threads(2)
     named = {os.path.basename(m): m for m in models} or {
         name: os.path.join(root, "models", name) for name in ("target", "draft")}
-    return {f"{name} {k}": v for name, path in named.items() for k, v in model_times(path).items()}
+    return {f"{name} {k}": v for name, path in named.items() for k, v in model_times(path, kv_cache_dtype).items()}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else ".", sys.argv[2:])))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkout", nargs="?", default=".")
+    parser.add_argument("models", nargs="*")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    args = parser.parse_args()
+    print(json.dumps(main(args.checkout, args.models, args.kv_cache_dtype)))

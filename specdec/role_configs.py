@@ -16,6 +16,7 @@ SHIPPED_DRAFT = REPO_ROOT / "models" / "draft"
 NGRAM = "ngram"  # the draft "model" that is prompt lookup, not a checkpoint
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "fp", "q8", "q4")  # specdec.model.quantized
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,10 @@ class WorkerConfig:
               "sequences of the full context, at most kv_cache_max_bytes")
     kv_block_size: int = setting(16, "tokens per KV-cache block")
     kv_cache_max_bytes: int = setting(1 << 30, "memory cap of the default KV-cache size, in bytes")
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache holds: auto (the model's dtype), float32 or float16; float16 on CPU halves the "
+                "cache's memory and what attention reads (as llama.cpp's default cache), its keys and values "
+                "rounded to float16 (plain and speculative decoding alike)")
     num_threads: int | None = setting(None, "torch intra-op threads of the worker; unset: torch's default")
     kv_memory_fraction: float = setting(
         0.9, "on CUDA, unless kv_cache_blocks is set: the share of the GPU's total memory this worker may "
@@ -86,6 +91,8 @@ class WorkerConfig:
         _positive(f"{self.role}.kv_cache_blocks", self.kv_cache_blocks, optional=True)
         _positive(f"{self.role}.kv_block_size", self.kv_block_size)
         _positive(f"{self.role}.kv_cache_max_bytes", self.kv_cache_max_bytes)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, f"{self.role}.kv_cache_dtype",
+               f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         _positive(f"{self.role}.num_threads", self.num_threads, optional=True)
         _check(isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1,
                f"{self.role}.kv_memory_fraction", "a number in (0, 1]", self.kv_memory_fraction)

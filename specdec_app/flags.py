@@ -18,7 +18,8 @@ from specdec.config import REPO_ROOT, ServiceConfig, describe, parse_setting
 SERVE_SETTINGS = {
     "models": ("target", "draft", "num_speculative_tokens", "adaptive", "overlap", "tree_branches",
                "tree_side_depth", "device", "dtype",
-               "max_batch_size", "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "kv_memory_fraction",
+               "max_batch_size", "kv_cache_blocks", "kv_block_size", "kv_cache_max_bytes", "kv_cache_dtype",
+               "kv_memory_fraction",
                "prefill_chunk_tokens",
                "target_threads", "draft_threads", "target_weights", "draft_weights", "packed_weights", "cpu_kernels",
                "cuda_graph_max_batch",

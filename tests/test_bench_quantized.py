@@ -28,6 +28,13 @@ def test_bench_quant_reports_agreement_with_the_floats(tmp_path, capsys):
         assert 0 <= row["greedy_match"] <= 1 and row["mean_kl"] >= 0 and row["positions"] == 12
     assert rows["q4"]["weight_bytes"] < rows["q8"]["weight_bytes"]
     assert "top-1 match" in capsys.readouterr().out
+    # the float weights with a float16 KV cache: the cache's own distance from the float model
+    assert cli.main(["bench-quant", "--target", str(target), "--prompts", str(prompts), "--num-prompts", "2",
+                     "--max-new-tokens", "6", "--formats", "fp", "--kv-cache-dtype", "float16", "--json",
+                     str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_cache_dtype"] == "float16" and abs(result["rows"]["fp"]["mean_kl"]) < 1e-3
+    assert "KV cache float16" in capsys.readouterr().out
 
 
 @needs_kernels
@@ -36,11 +43,14 @@ def test_bench_peer_measures_specdec_without_llama_cpp(tmp_path, capsys, monkeyp
     out = tmp_path / "peer.json"
     assert cli.main(["bench-peer", "--quick", "--types", "Q8_0", "--cache-dir", str(tmp_path),
                      "--json", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"]["Q8_0"]
+    result = json.loads(out.read_text())
+    row = result["rows"]["Q8_0"]
     assert {"specdec b1", "specdec b8", "specdec n-gram", "specdec plain"} == set(row["rates"])
     assert row["ngram_same_as_plain"] and row["llama_cpp"] is None
+    assert result["kv_cache_dtype"] == "float16"  # llama.cpp's default cache, unless --kv-cache-dtype
     printed = capsys.readouterr().out
     assert "not installed (pip install llama-cpp-python)" in printed and "weights held" in printed
+    assert "specdec's KV cache float16" in printed
     assert (tmp_path / "tiny-copy-v1-seed0-Q8_0.gguf").exists()  # built once, then reused
 
 

@@ -15,9 +15,10 @@ from specdec.model.batch import ForwardBatch
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """Scatter this pass's K/V ([T, Hkv, D]) into their cache slots (cache: [blocks, bs, Hkv, D])."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    """Scatter this pass's K/V ([T, Hkv, D]) into their cache slots (cache: [blocks, bs, Hkv, D];
+    in its own dtype: a float16 cache of a float32 model rounds them to nearest)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def attention_mask(batch: ForwardBatch) -> torch.Tensor | None:
@@ -54,7 +55,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         q_padded = torch.cat([q, q.new_zeros(1, heads, dim)]).index_select(0, batch.token_index.view(-1))
         q_padded = q_padded.view(num_seqs, qmax, heads, dim)
-    keys, values = gather_keys(k_cache, batch), gather_keys(v_cache, batch)
+    keys, values = gather_keys(k_cache, batch).to(q.dtype), gather_keys(v_cache, batch).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q_padded.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
         enable_gqa=keys.shape[1] != heads,

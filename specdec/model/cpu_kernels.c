@@ -10,21 +10,96 @@ its own inputs: rows and threads only change which element is computed when, nev
 rows, tokens, heads and column panels are split across threads (OpenMP, sharing torch's runtime:
 both link libgomp.so.1); reductions are never split.
 
-Every tensor is float32 and contiguous, rows first; indices are int64 as torch keeps them. The
-Python side (specdec/model/cpu_kernels.py) checks shapes and pointers before calling; nothing here
-checks bounds.
+Every tensor is float32 and contiguous, rows first; indices are int64 as torch keeps them; the KV
+cache is float32 or float16 (`f16`: rounded to the nearest float16 on the way in, read back
+exactly). The Python side (specdec/model/cpu_kernels.py) checks shapes and pointers before
+calling; nothing here checks bounds.
 */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 /* Work below which a loop stays on the calling thread (a team's start costs a few microseconds). */
 #define PARALLEL_MIN_FLOPS (1 << 17)
+
+/* A float16 (IEEE binary16) as float, exactly: what the CPU's conversion instruction gives. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) { /* zero or subnormal: mantissa x 2^-24 */
+        const float value = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -value : value;
+    }
+    uint32_t bits = sign | ((exponent == 31 ? 255u : exponent + 112u) << 23) | (mantissa << 13);
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The float16 nearest to f (ties to even; beyond the largest, infinity; NaN stays NaN, quieted):
+   what the CPU's conversion instruction gives (F16C's vcvtps2ph, round to nearest). */
+static inline uint16_t float_to_half(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint16_t sign = (bits >> 16) & 0x8000;
+    const uint32_t magnitude = bits & 0x7fffffff;
+    if (magnitude > 0x7f800000) return sign | 0x7e00 | ((magnitude >> 13) & 0x3ff); /* NaN */
+    if (magnitude >= 0x477ff000) return sign | 0x7c00; /* >= 65520 (or infinite): infinity */
+    if (magnitude < 0x38800000) { /* below 2^-14: a subnormal float16, units of 2^-24 (exact scaling) */
+        float units;
+        const uint32_t scaled = magnitude + (24u << 23); /* |f| 2^24: its exponent is >= 1 here */
+        memcpy(&units, &scaled, sizeof units);
+        return sign | (uint16_t)(magnitude <= 0x33000000 ? 0 : nearbyintf(units)); /* 1024: the least normal */
+    }
+    uint32_t half = (magnitude - (112u << 23)) >> 13; /* exponent rebased 127 -> 15, mantissa cut to 10 */
+    const uint32_t rest = magnitude & 0x1fff;
+    half += rest > 0x1000 || (rest == 0x1000 && (half & 1)); /* a carry moves into the exponent */
+    return sign | (uint16_t)half;
+}
+
+/* KV-cache elements: float32, or float16 where `f16` (always_inline callers pass a constant, so
+   each of the two has its own code without a branch per number). */
+static inline float cache_load(const void *cache, int64_t i, int f16) {
+    return f16 ? half_to_float(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+
+static inline const void *cache_at(const void *cache, int64_t i, int f16) {
+    return (const char *)cache + i * (f16 ? 2 : 4);
+}
+
+/* cache[i .. i + n - 1] = src[0 .. n - 1]. */
+static inline void cache_store(void *cache, int64_t i, const float *src, int64_t n, int f16) {
+    if (!f16) {
+        memcpy((float *)cache + i, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + i;
+    int64_t j = 0;
+#if defined(__F16C__)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(out + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; j < n; j++) out[j] = float_to_half(src[j]);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* cache[i .. i + 7] as floats. */
+static inline __m256 cache_load8(const void *cache, int64_t i, int f16) {
+    if (!f16) return _mm256_loadu_ps((const float *)cache + i);
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i)));
+#else
+    float lanes[8];
+    for (int l = 0; l < 8; l++) lanes[l] = half_to_float(((const uint16_t *)cache)[i + l]);
+    return _mm256_loadu_ps(lanes);
+#endif
+}
+#endif
 
 /* 1 / sqrt(mean(x^2) + eps) over dim floats: the scale of an RMSNorm. */
 static inline float inverse_rms(const float *x, int64_t dim, float eps) {
@@ -56,11 +131,12 @@ void add_rms_norm(float *x, const float *delta, const float *weight, float *out,
 /* In each row of qkv [T, (H + 2 Hkv) * D] (q heads, k heads, v heads): normalise each q and k
    head over D when head_norm [H + Hkv, D] is given (Qwen3), rotate them by their token's position
    (cos, sin [positions, D], halves not interleaved, as Hugging Face), and copy k and v into the
-   cache's flat rows `slots` [T] (k_cache, v_cache [cache rows, Hkv, D]). q stays rotated in qkv. */
+   cache's flat rows `slots` [T] (k_cache, v_cache [cache rows, Hkv, D], float16 where `f16`). q
+   stays rotated in qkv. */
 void rope_store_kv(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
                    const int64_t *positions, const float *cos, const float *sin,
                    const float *head_norm, float eps, const int64_t *slots,
-                   float *k_cache, float *v_cache) {
+                   void *k_cache, void *v_cache, int f16) {
     const int64_t width = (heads + 2 * kv_heads) * dim, half = dim / 2;
 #pragma omp parallel for schedule(static) if (tokens * width * 8 >= PARALLEL_MIN_FLOPS)
     for (int64_t t = 0; t < tokens; t++) {
@@ -81,9 +157,8 @@ void rope_store_kv(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, 
                 v[i + half] = b * c[i + half] + a * s[i + half];
             }
         }
-        memcpy(k_cache + slots[t] * kv_heads * dim, row + heads * dim, kv_heads * dim * sizeof(float));
-        memcpy(v_cache + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim,
-               kv_heads * dim * sizeof(float));
+        cache_store(k_cache, slots[t] * kv_heads * dim, row + heads * dim, kv_heads * dim, f16);
+        cache_store(v_cache, slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim, kv_heads * dim, f16);
     }
 }
 
@@ -174,10 +249,14 @@ static float softmax_weights(float *scores, int64_t length) {
     return 1.0f / sum_in_order(scores, length);
 }
 
-/* out [dim] += weights[j] v_j for j = j0 .. j1 - 1 in order, v_j = values + slots[j] * row: each
-   output float one chain of multiply-adds over the keys, carried on from block to block. */
-static void add_weighted_values(const float *weights, const float *values, const int64_t *slots, int64_t j0,
-                                int64_t j1, int64_t row, int64_t dim, float *out) {
+#define ATTENTION_INLINE static inline __attribute__((always_inline))
+
+/* out [dim] += weights[j] v_j for j = j0 .. j1 - 1 in order, v_j = the cache's elements from
+   slots[j] * row + offset: each output float one chain of multiply-adds over the keys, carried on
+   from block to block. */
+ATTENTION_INLINE void add_weighted_values(const float *weights, const void *values, int64_t offset,
+                                          const int64_t *slots, int64_t j0, int64_t j1, int64_t row, int64_t dim,
+                                          float *out, int f16) {
     int64_t start = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     /* 64 output floats at a time, summed in eight registers (head sizes 64 and 128). */
@@ -187,36 +266,40 @@ static void add_weighted_values(const float *weights, const float *values, const
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) s[i] = _mm256_loadu_ps(o + 8 * i);
         for (int64_t j = j0; j < j1; j++) {
-            const float *v = values + slots[j] * row + start;
+            const int64_t v = slots[j] * row + offset + start;
             const __m256 p = _mm256_set1_ps(weights[j]);
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), s[i]);
+            for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(p, cache_load8(values, v + 8 * i, f16), s[i]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, s[i]);
     }
 #endif
     for (int64_t j = j0; j < j1; j++) {
-        const float *v = values + slots[j] * row, p = weights[j];
+        const int64_t v = slots[j] * row + offset;
+        const float p = weights[j];
 #pragma omp simd
-        for (int64_t i = start; i < dim; i++) out[i] += p * v[i];
+        for (int64_t i = start; i < dim; i++) out[i] += p * cache_load(values, v + i, f16);
     }
 }
 
 /* scores[h * stride + j] = scale * (q_h . k_j) for the group's heads h (q [group, dim]) and the
-   keys j0 <= j < j0 + KEY_BLOCK (and < length), k_j = keys + slots[j] * row. The block's eight keys
+   keys j0 <= j < j0 + KEY_BLOCK (and < length), k_j = the cache's elements from slots[j] * row +
+   offset. The block's eight keys
    are each summed in a register of their own (lane i: the products of dimensions i, i + 8, ..) and
    reduced together: one fixed order for every key wherever it sits (a block short of eight
    repeats its last key and drops the extra scores). One key per dot, reduced on its own, left the
    multiply-adds waiting on each other. */
 #define KEY_BLOCK 8
-static void score_block(const float *q, int64_t group, int64_t dim, const float *keys, const int64_t *slots,
-                        int64_t j0, int64_t length, int64_t row, float scale, float *scores, int64_t stride) {
+ATTENTION_INLINE void score_block(const float *q, int64_t group, int64_t dim, const void *keys, int64_t offset,
+                                  const int64_t *slots, int64_t j0, int64_t length, int64_t row, float scale,
+                                  float *scores, int64_t stride, int f16) {
     const int64_t count = length - j0 < KEY_BLOCK ? length - j0 : KEY_BLOCK;
 #if defined(__AVX2__) && defined(__FMA__)
     if (dim % 8 == 0) {
-        const float *k[KEY_BLOCK];
-        for (int i = 0; i < KEY_BLOCK; i++) k[i] = keys + slots[j0 + (i < count ? i : count - 1)] * row;
+        const void *k[KEY_BLOCK];
+        for (int i = 0; i < KEY_BLOCK; i++)
+            k[i] = cache_at(keys, slots[j0 + (i < count ? i : count - 1)] * row + offset, f16);
         for (int64_t h = 0; h < group; h++) {
             const float *qh = q + h * dim;
             __m256 a[KEY_BLOCK];
@@ -225,7 +308,7 @@ static void score_block(const float *q, int64_t group, int64_t dim, const float 
             for (int64_t d = 0; d < dim; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qh + d);
 #pragma GCC unroll 8
-                for (int i = 0; i < KEY_BLOCK; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+                for (int i = 0; i < KEY_BLOCK; i++) a[i] = _mm256_fmadd_ps(qv, cache_load8(k[i], d, f16), a[i]);
             }
             const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
             const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -238,16 +321,19 @@ static void score_block(const float *q, int64_t group, int64_t dim, const float 
         return;
     }
 #endif
-    for (int64_t j = j0; j < j0 + count; j++)
-        for (int64_t h = 0; h < group; h++)
-            scores[h * stride + j] = dot(q + h * dim, keys + slots[j] * row, dim) * scale;
+    for (int64_t j = j0; j < j0 + count; j++) {
+        float k[dim]; /* the key as floats: dot's order for every cache format */
+        for (int64_t i = 0; i < dim; i++) k[i] = cache_load(keys, slots[j] * row + offset + i, f16);
+        for (int64_t h = 0; h < group; h++) scores[h * stride + j] = dot(q + h * dim, k, dim) * scale;
+    }
 }
 
-/* Prefetch cache rows slots[j0 .. j1 - 1] (within length), floats from .. to of each. */
-static inline void prefetch_rows(const float *cache, const int64_t *slots, int64_t j0, int64_t j1,
-                                 int64_t length, int64_t row, int64_t from, int64_t to) {
+/* Prefetch cache rows slots[j0 .. j1 - 1] (within length), elements from .. to of each. */
+ATTENTION_INLINE void prefetch_rows(const void *cache, const int64_t *slots, int64_t j0, int64_t j1,
+                                    int64_t length, int64_t row, int64_t from, int64_t to, int f16) {
+    const int64_t line = f16 ? 32 : 16; /* elements in a 64-byte cache line */
     for (int64_t j = j0; j < j1 && j < length; j++)
-        for (int64_t b = from; b < to; b += 16) __builtin_prefetch(cache + slots[j] * row + b);
+        for (int64_t b = from; b < to; b += line) __builtin_prefetch(cache_at(cache, slots[j] * row + b, f16));
 }
 
 /* One token's attention for the q heads of its kv heads g0 .. g1 - 1: q and out are the token's
@@ -258,25 +344,25 @@ static inline void prefetch_rows(const float *cache, const int64_t *slots, int64
    Each head's result depends on nothing but its own inputs. scores: scratch, [(g1 - g0) group]
    [stride] and (g1 - g0) group more. */
 #define VALUE_BLOCK 16
-static void attend_heads(const float *q, float *out, int64_t g0, int64_t g1, int64_t group, int64_t dim,
-                         const int64_t *slots, int64_t length, int64_t row, const float *k_cache,
-                         const float *v_cache, float scale, float *scores, int64_t stride) {
+ATTENTION_INLINE void attend_heads(const float *q, float *out, int64_t g0, int64_t g1, int64_t group, int64_t dim,
+                                   const int64_t *slots, int64_t length, int64_t row, const void *k_cache,
+                                   const void *v_cache, float scale, float *scores, int64_t stride, int f16) {
     const int64_t count = (g1 - g0) * group; /* q heads */
     float *inv_total = scores + count * stride, *o = out + g0 * group * dim;
     for (int64_t j = 0; j < length; j += KEY_BLOCK) {
-        prefetch_rows(k_cache, slots, j + KEY_BLOCK, j + 2 * KEY_BLOCK, length, row, g0 * dim, g1 * dim);
+        prefetch_rows(k_cache, slots, j + KEY_BLOCK, j + 2 * KEY_BLOCK, length, row, g0 * dim, g1 * dim, f16);
         for (int64_t g = g0; g < g1; g++)
-            score_block(q + g * group * dim, group, dim, k_cache + g * dim, slots, j, length, row, scale,
-                        scores + (g - g0) * group * stride, stride);
+            score_block(q + g * group * dim, group, dim, k_cache, g * dim, slots, j, length, row, scale,
+                        scores + (g - g0) * group * stride, stride, f16);
     }
     for (int64_t h = 0; h < count; h++) inv_total[h] = softmax_weights(scores + h * stride, length);
     memset(o, 0, count * dim * sizeof(float));
     for (int64_t j = 0; j < length; j += VALUE_BLOCK) {
         const int64_t end = j + VALUE_BLOCK < length ? j + VALUE_BLOCK : length;
-        prefetch_rows(v_cache, slots, end, end + VALUE_BLOCK, length, row, g0 * dim, g1 * dim);
+        prefetch_rows(v_cache, slots, end, end + VALUE_BLOCK, length, row, g0 * dim, g1 * dim, f16);
         for (int64_t h = 0; h < count; h++)
-            add_weighted_values(scores + h * stride, v_cache + (g0 + h / group) * dim, slots, j, end, row, dim,
-                                o + h * dim);
+            add_weighted_values(scores + h * stride, v_cache, (g0 + h / group) * dim, slots, j, end, row, dim,
+                                o + h * dim, f16);
     }
     for (int64_t h = 0; h < count; h++)
 #pragma omp simd
@@ -290,10 +376,11 @@ static void attend_heads(const float *q, float *out, int64_t g0, int64_t g1, int
    g * group .. (g + 1) * group - 1 read kv head g. The threads' shares are tokens, each with all its
    kv heads, or where there are fewer tokens than threads (a decode step at batch 1) a token's kv
    heads split into up to one range per thread; each with its own scratch. A token's result is the
-   same whatever the split. Returns 0, or -1 when the scratch could not be allocated. */
+   same whatever the split. The cache is float16 where `f16` (each format has its own inlined
+   copy of the loops). Returns 0, or -1 when the scratch could not be allocated. */
 int attend(const float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
            const int64_t *token_seqs, const int64_t *positions, const int64_t *kv_slots,
-           int64_t max_len, const float *k_cache, const float *v_cache, float scale, float *out) {
+           int64_t max_len, const void *k_cache, const void *v_cache, float scale, float *out, int f16) {
     const int64_t width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
     const int64_t row = kv_heads * dim, threads = omp_get_max_threads();
     const int64_t wanted = tokens >= threads ? 1 : (threads + tokens - 1) / tokens;
@@ -307,9 +394,14 @@ int attend(const float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, in
         for (int64_t t = 0; t < tokens; t++) {
             for (int64_t part = 0; part < parts; part++) {
                 if (!scores) continue;
-                attend_heads(qkv + t * width, out + t * heads * dim, part * kv_heads / parts,
-                             (part + 1) * kv_heads / parts, group, dim, kv_slots + token_seqs[t] * max_len,
-                             positions[t] + 1, row, k_cache, v_cache, scale, scores, max_len);
+                const int64_t g0 = part * kv_heads / parts, g1 = (part + 1) * kv_heads / parts;
+                const int64_t *slots = kv_slots + token_seqs[t] * max_len;
+                if (f16)
+                    attend_heads(qkv + t * width, out + t * heads * dim, g0, g1, group, dim, slots, positions[t] + 1,
+                                 row, k_cache, v_cache, scale, scores, max_len, 1);
+                else
+                    attend_heads(qkv + t * width, out + t * heads * dim, g0, g1, group, dim, slots, positions[t] + 1,
+                                 row, k_cache, v_cache, scale, scores, max_len, 0);
             }
         }
         free(scores);
@@ -434,19 +526,6 @@ minimums are float16 (as GGUF stores them), [ceil(N / PANEL)][K / QGROUP][PANEL]
 
 #define QGROUP 32
 #define QUADS (QGROUP / 4)
-
-/* A float16 (IEEE binary16) as float, exactly: what the CPU's conversion instruction gives. */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    if (exponent == 0) { /* zero or subnormal: mantissa x 2^-24 */
-        const float value = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -value : value;
-    }
-    uint32_t bits = sign | ((exponent == 31 ? 255u : exponent + 112u) << 23) | (mantissa << 13);
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
 
 int64_t quant_group(void) { return QGROUP; }
 
@@ -698,23 +777,26 @@ static int project(const float *x, int64_t m, int64_t k, const Projection *p, fl
 /* Every layer of a pass over `tokens` new tokens, then the final norm: x [T, hidden] (the
    embeddings; the residual stream, updated in place) -> h [T, hidden] = final_norm(x). Scratch:
    qkv [T, (H + 2 Hkv) D], attn [T, H D], out [T, hidden], gate_up [T, 2 inter], act [T, inter].
-   Caches k_cache, v_cache [layers][rows][Hkv][D], layer_stride floats apart. Other arguments as
-   rope_store_kv and attend take them. Returns 0, or -1 when scratch memory ran out. */
+   Caches k_cache, v_cache [layers][rows][Hkv][D], layer_stride elements apart, float16 where
+   `f16`. Other arguments as rope_store_kv and attend take them. Returns 0, or -1 when scratch
+   memory ran out. */
 int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final_norm, float *x, float *h,
                    float *qkv, float *attn, float *out, float *gate_up, float *act, int64_t tokens,
                    int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps,
                    float scale, const int64_t *positions, const float *cos, const float *sin,
                    const int64_t *slots, const int64_t *token_seqs, const int64_t *kv_slots, int64_t max_len,
-                   float *k_cache, float *v_cache, int64_t layer_stride) {
+                   void *k_cache, void *v_cache, int64_t layer_stride, int f16) {
     const float *delta = 0;
     for (int64_t i = 0; i < count; i++) {
         const DecoderLayer *l = layers + i;
-        float *kc = k_cache + i * layer_stride, *vc = v_cache + i * layer_stride;
+        void *kc = (char *)k_cache + i * layer_stride * (f16 ? 2 : 4);
+        void *vc = (char *)v_cache + i * layer_stride * (f16 ? 2 : 4);
         add_rms_norm(x, delta, l->input_norm, h, tokens, hidden, eps);
         if (project(h, tokens, hidden, &l->qkv, qkv)) return -1;
-        rope_store_kv(qkv, tokens, heads, kv_heads, dim, positions, cos, sin, l->head_norm, eps, slots, kc, vc);
+        rope_store_kv(qkv, tokens, heads, kv_heads, dim, positions, cos, sin, l->head_norm, eps, slots, kc, vc,
+                      f16);
         if (attend(qkv, tokens, heads, kv_heads, dim, token_seqs, positions, kv_slots, max_len, kc, vc, scale,
-                   attn))
+                   attn, f16))
             return -1;
         if (project(attn, tokens, heads * dim, &l->o_proj, out)) return -1;
         add_rms_norm(x, out, l->post_norm, h, tokens, hidden, eps);

@@ -12,7 +12,8 @@ Without a compiler, or when the build fails, load_cpu_kernels() returns None aft
 models run torch's ops instead (the same results to float32 rounding, but not batch-invariant).
 
 C checks nothing, so `CpuKernels` does, before each call: every tensor is float32 (int64 for
-indices), contiguous and on the CPU, and the sizes C is told come from the tensors' own shapes.
+indices; the KV cache float32 or float16), contiguous and on the CPU, and the sizes C is told come
+from the tensors' own shapes.
 """
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _B = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kernels.c's order
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F], None),
     "silu_mul": ([_P, _P, _I, _I], None),
-    "rope_store_kv": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P], None),
-    "attend": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P], ctypes.c_int),
+    "rope_store_kv": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P, _B], None),
+    "attend": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P, _B], ctypes.c_int),
     "argmax_rows": ([_P, _I, _I, _P], None),
     "panel_width": ([], _I),
     "matmul": ([_P, _I, _I, _P, _I, _P, _P], None),
@@ -49,7 +50,7 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "matmul_quantized": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _P], ctypes.c_int),
     "quantized_columns": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "decoder_layers": ([_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P,
-                        _P, _I, _P, _P, _I], ctypes.c_int),
+                        _P, _I, _P, _P, _I, _B], ctypes.c_int),
 }
 
 
@@ -71,6 +72,16 @@ def _ptr(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
         raise KernelArgumentError(f"expected a contiguous CPU {dtype} tensor, got {t.dtype} {tuple(t.shape)} "
                                   f"(contiguous: {t.is_contiguous()}, device: {t.device})")
     return t.data_ptr()
+
+
+KV_CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (float16: half the bytes)
+
+
+def _cache_pointers(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(k, v, half): the caches' data and whether they hold float16 (both the same format)."""
+    _expect(k_cache.dtype in KV_CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
+            f"KV cache of {k_cache.dtype} / {v_cache.dtype}: expected float32 or float16, both alike")
+    return _ptr(k_cache, k_cache.dtype), _ptr(v_cache, k_cache.dtype), int(k_cache.dtype == torch.float16)
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -153,7 +164,7 @@ class CpuKernels:
         """Every layer of `table` over x [T, hidden] (the embeddings, updated in place), then
         h [T, hidden] = final_norm [hidden](x). scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D],
         out [T, hidden], gate_up [T, 2 I], act [T, I]; k_cache, v_cache [layers, blocks, block
-        size, Hkv, D]; the rest as rope_store_kv and attend take them."""
+        size, Hkv, D] (float32 or float16); the rest as rope_store_kv and attend take them."""
         tokens, hidden = x.shape
         dim, inter = k_cache.shape[-1], scratch["act"].shape[1]
         shapes = {"qkv": (tokens, (heads + 2 * kv_heads) * dim), "attn": (tokens, heads * dim), "out": (tokens, hidden),
@@ -166,11 +177,12 @@ class CpuKernels:
                 and tuple(token_seqs.shape) == (tokens,) and kv_slots.dim() == 2 and heads % kv_heads == 0,
                 f"decoder_layers: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, "
                 f"{ {name: tuple(t.shape) for name, t in scratch.items()} }")
+        k_data, v_data, half = _cache_pointers(k_cache, v_cache)
         status = self._lib.decoder_layers(
             table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), *(_ptr(scratch[name]) for name in shapes), tokens,
             hidden, heads, kv_heads, dim, inter, eps, scale, _ptr(positions, torch.int64), _ptr(cos), _ptr(sin),
             _ptr(slots, torch.int64), _ptr(token_seqs, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
-            _ptr(k_cache), _ptr(v_cache), k_cache[0].numel())
+            k_data, v_data, k_cache[0].numel(), half)
         if status != 0:
             raise MemoryError("decoder_layers: no memory for the attention scores or the quantized rows")
 
@@ -194,7 +206,7 @@ class CpuKernels:
                       slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Rotate q and k of qkv [T, (H + 2 Hkv) D] in place by positions [T] (cos, sin [P, D]), after
         head_norm [H + Hkv, D] (Qwen3; None: none); write k and v to the cache rows slots [T] of
-        k_cache, v_cache [blocks, block size, Hkv, D]."""
+        k_cache, v_cache [blocks, block size, Hkv, D] (float32, or float16: rounded to nearest)."""
         tokens, dim = qkv.shape[0], cos.shape[1]
         _expect(qkv.shape[1] == (heads + 2 * kv_heads) * dim and tuple(positions.shape) == (tokens,)
                 and tuple(slots.shape) == (tokens,) and sin.shape == cos.shape
@@ -204,21 +216,23 @@ class CpuKernels:
                 f"cache {tuple(k_cache.shape)}")
         self._lib.rope_store_kv(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(positions, torch.int64), _ptr(cos),
                                 _ptr(sin), None if head_norm is None else _ptr(head_norm), eps,
-                                _ptr(slots, torch.int64), _ptr(k_cache), _ptr(v_cache))
+                                _ptr(slots, torch.int64), *_cache_pointers(k_cache, v_cache))
 
     def attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, token_seqs: torch.Tensor,
                positions: torch.Tensor, kv_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, out: torch.Tensor) -> None:
         """out [T, H D] = causal attention of the rotated q in qkv [T, (H + 2 Hkv) D] over the cache rows
-        kv_slots [B, L] of each token's sequence token_seqs [T], keys 0..positions[t]."""
+        kv_slots [B, L] of each token's sequence token_seqs [T], keys 0..positions[t] (k_cache,
+        v_cache: float32 or float16)."""
         tokens, dim = qkv.shape[0], k_cache.shape[-1]
         _expect(qkv.shape[1] == (heads + 2 * kv_heads) * dim and tuple(out.shape) == (tokens, heads * dim)
                 and tuple(token_seqs.shape) == (tokens,) and tuple(positions.shape) == (tokens,)
                 and kv_slots.dim() == 2 and k_cache.shape == v_cache.shape and heads % kv_heads == 0,
                 f"attend: qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, kv_slots {tuple(kv_slots.shape)}")
+        k_data, v_data, half = _cache_pointers(k_cache, v_cache)
         status = self._lib.attend(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(token_seqs, torch.int64),
                                   _ptr(positions, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
-                                  _ptr(k_cache), _ptr(v_cache), scale, _ptr(out))
+                                  k_data, v_data, scale, _ptr(out), half)
         if status != 0:
             raise MemoryError("attend: no memory for the attention scores")
 

@@ -31,7 +31,7 @@ from specdec.model.quantized import CODE_BITS
 from specdec.model.rope import RotaryTable
 from specdec.model.source import resolve_model_source
 from specdec.model.weights import ModelWeights, build_weights
-from specdec.role_configs import WEIGHT_FORMATS
+from specdec.role_configs import KV_CACHE_DTYPES, WEIGHT_FORMATS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tests only: "1" lets bfloat16/float16 models run on the CPU (torch's ops), so that the half
@@ -83,15 +83,17 @@ def head_norm(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 class Model:
     """A loaded checkpoint: its config, its fused weights and the rotary table, on one device;
-    `kernels`: specdec's C kernels (model.cpu_kernels) for a float32 CPU model, or None."""
+    `kernels`: specdec's C kernels (model.cpu_kernels) for a float32 CPU model, or None;
+    `kv_dtype`: what its KV caches hold (default: `dtype`)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, kernels=None):
+                 dtype: torch.dtype = torch.float32, kernels=None, kv_dtype: torch.dtype | None = None):
         self.config = config
         self.kernels = kernels
         self.weights = weights
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.rotary = RotaryTable(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                   config.rope_scaling, self.device, dtype)
         self.scale = config.head_dim ** -0.5
@@ -119,7 +121,7 @@ class Model:
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         c = self.config
         return PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
-                            c.head_dim, self.device, self.dtype)
+                            c.head_dim, self.device, self.kv_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -170,7 +172,8 @@ class Model:
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32",
-               packed_weights: bool = True, cpu_kernels: bool = True, weights: str = "auto") -> Model:
+               packed_weights: bool = True, cpu_kernels: bool = True, weights: str = "auto",
+               kv_cache_dtype: str = "auto") -> Model:
     """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
     `device` in `dtype`.
     packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear).
@@ -178,7 +181,9 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     they can be built. Half precision is for GPUs; CPU_HALF_PRECISION_ENV lets tests run it on the
     CPU through torch's ops, as a GPU would.
     weights: fp, q8, q4 or auto (model.quantized): codes need the C kernels; auto keeps a GGUF's
-    quantization where they run, and dequantizes it to `dtype` elsewhere."""
+    quantization where they run, and dequantizes it to `dtype` elsewhere.
+    kv_cache_dtype: auto (`dtype`), float32 or float16; on CPU a float32 model may keep a float16
+    cache (half the memory, and the bytes attention reads; rounded to nearest on the way in)."""
     torch_dtype = resolve_dtype(dtype)
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and torch_dtype != torch.float32 and os.environ.get(CPU_HALF_PRECISION_ENV) != "1":
@@ -191,7 +196,21 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     if kernels is None and weights in CODE_BITS:
         raise ValueError(f"weights={weights} runs in specdec's C kernels, which this model cannot use (they need "
                          "device cpu, dtype float32, cpu_kernels on and a C compiler); use weights fp or auto")
+    kv_dtype = kv_cache_dtype_for(kv_cache_dtype, torch_dtype, on_cpu)
     weight_format = weights if kernels is not None else "fp"
     raw = source.tensors(torch_dtype, device, keep_quantized=weight_format != "fp")
     built = build_weights(config, raw, device, torch_dtype, packed_weights, kernels, weight_format)
-    return Model(config, built, device, torch_dtype, kernels)
+    return Model(config, built, device, torch_dtype, kernels, kv_dtype)
+
+
+def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, on_cpu: bool) -> torch.dtype:
+    """The KV cache's dtype for the setting `name` (role_configs.KV_CACHE_DTYPES) of a model in
+    `model_dtype`. Another dtype than the model's is the CPU's only: the GPU kernels read the
+    model's (specdec.model.triton_attention)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    chosen = model_dtype if name == "auto" else DTYPES[name]
+    if chosen != model_dtype and not on_cpu:
+        raise ValueError(f"kv_cache_dtype {name} on a {str(model_dtype).removeprefix('torch.')} model: a GPU's cache "
+                         "holds the model's dtype (kv_cache_dtype auto); another dtype is for the CPU")
+    return chosen

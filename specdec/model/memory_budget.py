@@ -58,7 +58,7 @@ def bytes_per_block(model: Model, block_size: int) -> int:
     """Memory of one KV-cache block: keys and values of `block_size` tokens in every layer."""
     c = model.config
     return (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
-            * model.dtype.itemsize)
+            * model.kv_dtype.itemsize)
 
 
 def pass_peak(model: Model, memory: DeviceMemory, block_size: int, context: int, tokens: int) -> int:

@@ -7,6 +7,8 @@ prompt ("rewrite this paragraph with one word changed") it measures, greedy, the
 turns run by run: plain decoding at batch 1 for both, specdec's batch 8 (total tokens/s), and each
 one's prompt lookup (specdec's n-gram drafter, adaptive K; llama.cpp's LlamaPromptLookupDecoding
 at 2 and 10 tokens, its best taken). Also specdec's resident weight bytes against the file's size.
+Both keep their KV caches in float16 by default, llama.cpp's default (--kv-cache-dtype auto gives
+specdec the model's float32 cache).
 llama.cpp runs through llama-cpp-python where it is installed (`pip install llama-cpp-python`, an
 optional extra); without it specdec's rows are still measured.
 """
@@ -24,6 +26,7 @@ import torch
 
 from specdec.config import NGRAM
 from specdec.model.decoder import load_model
+from specdec.role_configs import KV_CACHE_DTYPES
 from specdec.tokenizer import load_tokenizer, render_chat
 from specdec_app.bench.engine_runner import kv_blocks_for
 from specdec_app.bench.peer_runner import LlamaCppSystem, SpecdecSystem, llama_cpp_version
@@ -42,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per system, median reported (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per plain run (default 64)")
     parser.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="float16",
+                        help="specdec's KV cache (default float16: what llama.cpp's cache holds by default; auto: "
+                             "the model's float32)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help=f"built models (default {DEFAULT_CACHE})")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny shape, 1 run, 8 tokens")
@@ -78,8 +84,8 @@ def _medians(systems: dict, prompt: list[int], runs: int) -> dict:
 def measure(path: Path, prompt: list[int], answer: list[int], args, log) -> dict:
     max_new, copy_tokens = args.max_new_tokens, min(len(answer), 4 * args.max_new_tokens)
     blocks = kv_blocks_for([prompt], max(max_new, copy_tokens), 8, 8)
-    plain = SpecdecSystem(str(path), None, blocks, 8)
-    ngram = SpecdecSystem(str(path), NGRAM, blocks, 8)
+    plain = SpecdecSystem(str(path), None, blocks, 8, args.kv_cache_dtype)
+    ngram = SpecdecSystem(str(path), NGRAM, blocks, 8, args.kv_cache_dtype)
     for system, batch in ((plain, 1), (plain, 8), (ngram, 1)):
         system.warm_up([prompt] * batch)
     systems = {"specdec b1": (plain, 1, max_new), "specdec b8": (plain, 8, max_new)}
@@ -126,7 +132,8 @@ def run(args) -> int:
         rows[tensor_type] = measure(gguf_of(checkpoint, tensor_type), prompt, answer, args, log)
     version = llama_cpp_version()
     print(f"specdec bench-peer: random {args.shape}-shaped checkpoint (copy answer planted, v{SHAPE_VERSION}), "
-          f"greedy, {args.threads} threads, {os.cpu_count()} CPUs, median of {args.runs}; "
+          f"greedy, {args.threads} threads, {os.cpu_count()} CPUs, median of {args.runs}, specdec's KV cache "
+          f"{args.kv_cache_dtype}; "
           f"llama.cpp: {'llama-cpp-python ' + version if version else 'not installed (pip install llama-cpp-python)'}")
     for tensor_type, r in rows.items():
         held, file, rates = r["weight_bytes"], r["file_bytes"], r["rates"]
@@ -147,6 +154,7 @@ def run(args) -> int:
     print(f"{time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": args.shape, "runs": args.runs, "threads": args.threads,
-                                               "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2) + "\n")
+                                               "max_new_tokens": args.max_new_tokens,
+                                               "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -45,11 +45,12 @@ class PeerResult:
 class SpecdecSystem:
     """specdec's LocalEngine (plain, or a drafter with adaptive K), timed like LlamaCppSystem."""
 
-    def __init__(self, gguf_path: str, draft: str | None, kv_cache_blocks: int, max_batch_size: int):
+    def __init__(self, gguf_path: str, draft: str | None, kv_cache_blocks: int, max_batch_size: int,
+                 kv_cache_dtype: str = "auto"):
         from specdec_app.engine import LocalEngine
 
         self.engine = LocalEngine(gguf_path, draft=draft, kv_cache_blocks=kv_cache_blocks,
-                                  max_batch_size=max_batch_size)
+                                  max_batch_size=max_batch_size, kv_cache_dtype=kv_cache_dtype)
 
     def run(self, prompts: list[list[int]], max_new_tokens: int) -> PeerResult:
         from specdec.params import SamplingParams

@@ -450,3 +450,33 @@ def test_seeded_requests_price_a_trees_nodes_too():
     ask = PolicyRequest("s", 5, greedy=False, seeded=True)
     chain, tree = new_policy(0.3), new_policy(0.3, branches=4)
     assert chain.choose([ask]) > tree.choose([ask])
+
+
+@pytest.mark.parametrize("first_depth_rate", [True, False], ids=["own-rate", "one-rate-control"])
+def test_a_trees_first_depth_is_credited_with_its_own_acceptance(monkeypatch, first_depth_rate):
+    """A tree of 2 branches (the second a leaf) whose first depth is always accepted, thanks to its
+    second child, and nothing deeper ever is. With the first depth's own rate the policy asks 1
+    token, which pays; with one rate for every token (the control) the first depth's hits make
+    deeper tokens look half right, it asks 2, and the round is slower."""
+    if not first_depth_rate:
+        monkeypatch.setattr(SpeculationPolicy, "_estimate", lambda self, evidence, prior: policy_module.Estimate(
+            evidence.alpha(prior.alpha), evidence.coverage(prior.coverage), evidence.alpha(prior.alpha)))
+    machine = Machine(per_token=0.25 * STEP, step=0.1 * STEP)
+    policy = SpeculationPolicy(RoundCosts(max_fed=96, max_steps=5), 0.1, branches=2, side_depth=1)
+    ks, tokens, seconds = [], 0, 0.0
+    for _ in range(300):
+        k = policy.choose([greedy("a")])[0]
+        nodes, accepted = k + min(k, 1), min(k, 1)
+        shape = RoundShape(fed=nodes + 1, sampled=0, steps=k, proposed=nodes, catch_up=0)
+        update = RequestUpdate("a", [1] * (accepted + 1), "", num_speculative_tokens=k, proposed=k,
+                               accepted=accepted, tree_nodes=nodes if k else None)
+        report = RoundReport(updates=[update], ran=True, verify_seconds=machine.verify(shape),
+                             draft_seconds=machine.draft(shape), draft_steps=k, draft_proposed=nodes)
+        policy.observe(report, {"a": True})
+        ks.append(k)
+        tokens, seconds = tokens + accepted + 1, seconds + report.verify_seconds + report.draft_seconds
+    plain_rate = 1 / machine.verify(RoundShape(fed=1, sampled=0, steps=0, proposed=0, catch_up=0))
+    if first_depth_rate:
+        assert ks[-100:].count(1) > 85 and tokens / seconds > 1.25 * plain_rate
+    else:
+        assert ks[-100:].count(2) > 50 and tokens / seconds < 1.2 * plain_rate

@@ -10,6 +10,9 @@ The model:
   DECAY every round the request takes part in (at K = 0 too: old evidence gives way to the
   prior). The prior is the pool: the same estimates over all requests of the same kind (greedy or
   sampled), fading by DECAY per PRIOR_WEIGHT tokens, from INITIAL_ACCEPTANCE and coverage 1.
+- A tree's first depth has several children, so it is accepted more often than one token: with
+  trees, a request's first depth has its own rate (first; alpha then counts deeper tokens only),
+  and its k-th asked token is worth coverage * first * alpha^(k - 1). A chain's first = alpha.
 - A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is `branches` tokens).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
@@ -47,9 +50,27 @@ REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (s
 _ALPHA_MAX = 0.999  # keeps E finite
 
 
-def expected_tokens(alpha: float, k: int, coverage: float = 1.0) -> float:
-    """Tokens a round asking K commits: 1 + coverage (alpha + ... + alpha^K), alpha < 1."""
-    return 1.0 + coverage * alpha * (1.0 - alpha ** k) / (1.0 - alpha)
+def expected_tokens(alpha: float, k: int, coverage: float = 1.0, first: float | None = None) -> float:
+    """Tokens a round asking K commits: 1 + coverage first (1 + alpha + ... + alpha^(K-1)), alpha
+    < 1 (first: the first depth's acceptance, alpha's by default)."""
+    return 1.0 + coverage * (alpha if first is None else first) * (1.0 - alpha ** k) / (1.0 - alpha)
+
+
+class Estimate(NamedTuple):
+    """What a request's drafts are worth (the model above)."""
+
+    alpha: float  # acceptance of a draft token (with trees: beyond the first depth)
+    coverage: float  # the share of asked tokens the drafter proposes
+    first: float  # acceptance of the first depth (a chain's: alpha)
+
+    def worth(self, k: int) -> float:
+        """Committed tokens the k-th asked token adds."""
+        return self.coverage * self.first * self.alpha ** (k - 1)
+
+
+def _initial() -> Estimate:
+    """The pool's prior before any evidence, and seeded requests' prior."""
+    return Estimate(INITIAL_ACCEPTANCE, 1.0, INITIAL_ACCEPTANCE)
 
 
 class PolicyRequest(NamedTuple):
@@ -60,10 +81,15 @@ class PolicyRequest(NamedTuple):
     backlog: int = 0  # committed tokens the drafter has not seen beyond one round's worth
 
 
+def _rate(hits: float, trials: float, prior: float) -> float:
+    rate = (hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT)  # (<= 1: hits <= trials)
+    return rate if rate < _ALPHA_MAX else _ALPHA_MAX
+
+
 @dataclass
 class Evidence:
-    """Accepted and tested, proposed and asked draft tokens, faded; a probe clock (rounds at 0,
-    the current interval)."""
+    """Accepted and tested, proposed and asked draft tokens, and of them the first depth's
+    (accepted, tested), faded; a probe clock (rounds at 0, the current interval)."""
 
     accepted: float = 0.0
     tested: float = 0.0
@@ -71,19 +97,29 @@ class Evidence:
     asked: float = 0.0
     rounds_at_zero: int = 0
     interval: int = 2
+    first_accepted: float = 0.0
+    first_tested: float = 0.0
 
     def alpha(self, prior: float) -> float:
-        rate = (self.accepted + PRIOR_WEIGHT * prior) / (self.tested + PRIOR_WEIGHT)  # (<= 1: accepted <= tested)
-        return rate if rate < _ALPHA_MAX else _ALPHA_MAX
+        return _rate(self.accepted, self.tested, prior)
+
+    def deeper_alpha(self, prior: float) -> float:
+        """alpha of the tokens beyond the first depth (trees: `first` has its own)."""
+        return _rate(self.accepted - self.first_accepted, self.tested - self.first_tested, prior)
+
+    def first(self, prior: float) -> float:
+        return _rate(self.first_accepted, self.first_tested, prior)
 
     def coverage(self, prior: float) -> float:
         return (self.proposed + PRIOR_WEIGHT * prior) / (self.asked + PRIOR_WEIGHT)  # (<= 1: proposed <= asked)
 
     def add(self, accepted: float, tested: float, proposed: float, asked: float, fade: float | None = None,
-            coverage_fade: float | None = None) -> None:
+            coverage_fade: float | None = None, first_accepted: float = 0.0, first_tested: float = 0.0) -> None:
         fade = DECAY if fade is None else fade
         self.accepted = fade * self.accepted + accepted
         self.tested = fade * self.tested + tested
+        self.first_accepted = fade * self.first_accepted + first_accepted
+        self.first_tested = fade * self.first_tested + first_tested
         coverage_fade = fade if coverage_fade is None else coverage_fade
         self.proposed = coverage_fade * self.proposed + proposed
         self.asked = coverage_fade * self.asked + asked
@@ -124,17 +160,22 @@ class SpeculationPolicy:
         self._probe_prices = {True: 1.0, False: 1.0}  # by greedy: the last price of a probe, in rounds
 
     # -- estimates ------------------------------------------------------------------------------
-    def estimates(self, request: PolicyRequest, prior: tuple[float, float] | None = None) -> tuple[float, float]:
-        """(alpha, coverage) of a request: its own evidence over a prior, its kind's pool's
-        estimates (`prior` where the caller has them; seeded requests: the constants)."""
+    def estimates(self, request: PolicyRequest, prior: Estimate | None = None) -> Estimate:
+        """A request's own evidence over a prior: its kind's pool's estimates (`prior` where the
+        caller has them; seeded requests: the constants)."""
         if prior is None:
-            prior = (INITIAL_ACCEPTANCE, 1.0) if request.seeded else self._kind_prior(request.greedy)
-        own = self._own.get(request.req_id) or _NO_EVIDENCE
-        return own.alpha(prior[0]), own.coverage(prior[1])
+            prior = _initial() if request.seeded else self._kind_prior(request.greedy)
+        return self._estimate(self._own.get(request.req_id) or _NO_EVIDENCE, prior)
 
-    def _kind_prior(self, greedy: bool) -> tuple[float, float]:
-        pool = self._pool[greedy]
-        return pool.alpha(INITIAL_ACCEPTANCE), pool.coverage(1.0)
+    def _estimate(self, evidence: Evidence, prior: Estimate) -> Estimate:
+        if self.branches == 1:  # a chain's first token is one draw like the others
+            alpha = evidence.alpha(prior.alpha)
+            return Estimate(alpha, evidence.coverage(prior.coverage), alpha)
+        return Estimate(evidence.deeper_alpha(prior.alpha), evidence.coverage(prior.coverage),
+                        evidence.first(prior.first))
+
+    def _kind_prior(self, greedy: bool) -> Estimate:
+        return self._estimate(self._pool[greedy], _initial())
 
     def export(self, req_id: str) -> Evidence | None:
         """A request's own history, to carry to another replica's policy (`adopt`)."""
@@ -164,8 +205,7 @@ class SpeculationPolicy:
                 # the larger of the two either, the next rounds are settled too (_still_quiet;
                 # not with seeded or capped-out requests, which follow rules of their own).
                 if len(free) == len(requests):
-                    ceilings = [(max(a, prior[r.greedy][0]), max(c, prior[r.greedy][1]))
-                                for r, (a, c) in zip(free, estimates)]
+                    ceilings = [Estimate(*map(max, e, prior[r.greedy])) for r, e in zip(free, estimates)]
                     if self._cannot_pay(free, ceilings, len(requests), costs):
                         self._quiet = [r.req_id for r in requests]
             else:
@@ -183,29 +223,29 @@ class SpeculationPolicy:
         for r in requests:
             if r.seeded and r.cap > 0:
                 evidence = self._own.get(r.req_id) or _NO_EVIDENCE
-                ks[r.req_id] = self._seeded_choice(*self.estimates(r), r.cap)
+                ks[r.req_id] = self._seeded_choice(self.estimates(r), r.cap)
                 if ks[r.req_id] == 0 and evidence.probe_due():
                     ks[r.req_id] = 1
                     chosen.seeded_probes.add(r.req_id)
         return [ks[r.req_id] for r in requests]
 
-    def _merit(self, free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
+    def _merit(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                costs: tuple[float, ...], sampled: bool) -> dict[str, int]:
-        """K of the `free` requests (their (alpha, coverage)) maximising expected tokens per second
+        """K of the `free` requests (their estimates) maximising expected tokens per second
         in a round of `batch` requests (the others run plain or by their own rule: priced at K = 0;
         `sampled`: some request samples, so a longer longest proposal adds a position to each)."""
         if self.costs.rounds_seen < 1:  # nothing measured yet: draft, and measure it
             return {r.req_id: min(r.cap, 1) for r in free}
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
         plain = v0 + v1 * batch + overhead
-        order = sorted(((c * a ** k, i) for i, (r, (a, c)) in enumerate(zip(free, estimates))
+        order = sorted(((e.worth(k), i) for i, (r, e) in enumerate(zip(free, estimates))
                         for k in range(1, r.cap + 1)), key=lambda pair: -pair[0])
         ks = [0] * len(free)
         tokens = float(batch)
         verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
         best_rate, best = tokens / max(plain, 1e-9), list(ks)
         for worth, i in order:
-            request, coverage = free[i], estimates[i][1]
+            request, coverage = free[i], estimates[i].coverage
             ks[i] += 1
             tokens += worth
             verify += coverage * v1 * self._nodes(ks[i])
@@ -219,7 +259,7 @@ class SpeculationPolicy:
                 best_rate, best = rate, list(ks)
         return {r.req_id: k for r, k in zip(free, best)}
 
-    def _cannot_pay(self, free: list[PolicyRequest], estimates: list[tuple[float, float]], batch: int,
+    def _cannot_pay(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                     costs: tuple[float, ...]) -> bool:
         """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked
         tokens are worth at most min(m * the best worth, all worths) and cost at least a draft
@@ -228,9 +268,9 @@ class SpeculationPolicy:
         v0, v1, _, d0, d1, d2, _, overhead = costs
         plain = v0 + v1 * batch + overhead
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
-        for r, (a, c) in zip(free, estimates):
-            top, least_coverage, most = max(top, c * a), min(least_coverage, c), most + r.cap
-            worths += c * a * (1.0 - a ** r.cap) / (1.0 - a)
+        for r, e in zip(free, estimates):
+            top, least_coverage, most = max(top, e.worth(1)), min(least_coverage, e.coverage), most + r.cap
+            worths += e.coverage * e.first * (1.0 - e.alpha ** r.cap) / (1.0 - e.alpha)
         least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + d0 + d1 + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
@@ -265,10 +305,10 @@ class SpeculationPolicy:
         plain = v0 + v1 + overhead
         return any((k + 1) * plain > plain + (v1 + d2) * self._size(k) + k * d1 + d0 for k in (1, 2, 4))
 
-    def _seeded_choice(self, alpha: float, coverage: float, cap: int) -> int:
+    def _seeded_choice(self, e: Estimate, cap: int) -> int:
         step = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST
         return max(range(cap + 1),
-                   key=lambda k: (expected_tokens(alpha, k, coverage) / (1.0 + self._size(k) * step), k))
+                   key=lambda k: (expected_tokens(e.alpha, k, e.coverage, e.first) / (1.0 + self._size(k) * step), k))
 
     def _size(self, depth: int) -> int:
         """The draft tokens a round asking `depth` of a request verifies and drafts."""
@@ -282,7 +322,7 @@ class SpeculationPolicy:
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round that ran into the estimates and the costs (`greedy`: req_id -> greedy)."""
         chosen, drafted = self._chosen, {True: False, False: False}
-        pooled = {True: [0, 0, 0, 0], False: [0, 0, 0, 0]}  # accepted, tested, proposed, asked, by kind
+        pooled = {True: [0] * 6, False: [0] * 6}  # by kind: Evidence.add's counts, as `counts` below
         for update in report.updates:
             req_id, asked = update.req_id, update.num_speculative_tokens
             if update.error is not None:
@@ -300,13 +340,10 @@ class SpeculationPolicy:
             # The first rejected token was tested; tokens asked for but never proposed were not.
             accepted, proposed = update.accepted, update.proposed
             tested = accepted + (accepted < proposed)
-            own.add(accepted, tested, proposed, asked)
+            counts = (accepted, tested, proposed, asked, min(accepted, 1), min(proposed, 1))  # (first: depth 1)
+            own.add(*counts[:4], first_accepted=counts[4], first_tested=counts[5])
             kind = greedy.get(req_id, True)
-            counts = pooled[kind]
-            counts[0] += accepted
-            counts[1] += tested
-            counts[2] += proposed
-            counts[3] += asked
+            pooled[kind] = [total + n for total, n in zip(pooled[kind], counts)]
             if req_id in chosen.seeded_probes:
                 own.probed(brought_back=False)
             elif req_id in chosen.probes:
@@ -315,10 +352,11 @@ class SpeculationPolicy:
                 drafted[kind] = True
                 own.probed(brought_back=True)
         for kind, pool in self._pool.items():
-            accepted, tested, proposed, asked = pooled[kind]
+            accepted, tested, proposed, asked, first_accepted, first_tested = pooled[kind]
             if asked:  # fading by DECAY per PRIOR_WEIGHT tokens tested (asked): a memory of ~40
                 pool.add(accepted, tested, proposed, asked, fade=DECAY ** (tested / PRIOR_WEIGHT),
-                         coverage_fade=DECAY ** (asked / PRIOR_WEIGHT))
+                         coverage_fade=DECAY ** (asked / PRIOR_WEIGHT), first_accepted=first_accepted,
+                         first_tested=first_tested)
             if drafted[kind]:
                 pool.probed(brought_back=True)
             elif kind in chosen.probes.values():

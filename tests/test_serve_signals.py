@@ -5,8 +5,9 @@ the command. Each time the command exits 0 within its grace period + 5 s, and an
 that can finish within the grace period does.
 
 The stream is kept in flight by a gate the test holds, not by the machine's speed: the target
-worker's actor process is stopped (SIGSTOP) before the signal and continued (SIGCONT) once the
-test has seen the drain begin.
+worker's actor process is stopped (SIGSTOP) before the request starts, the test waits for the
+call's initial metadata (the server sends it once it has accepted the request), and the target is
+continued (SIGCONT) once the test has seen the drain begin.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from coordinator.frontend.servicer import REQUEST_ID_METADATA
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 from checkpoints import CONFIGS, build_checkpoint, perturbed_copy
@@ -109,23 +111,19 @@ class Serve:
         raise AssertionError(f"no {needle!r} line; output:\n" + "\n".join(self.seen))
 
     def stream_held_in_flight(self):
-        """Once serving: a request started, then its target worker's process stopped (SIGSTOP: the
-        gate, the request cannot finish before the test continues it); (stream, tokens so far,
-        the target's pid). The target is found before the request starts: walking /proc between
-        the first response and the stop took long enough for the target to finish the request."""
+        """Once serving: the target worker's process stopped (SIGSTOP: the gate: no token can be
+        made until the test continues it), then a request started and accepted by the server (its
+        initial metadata names it); (stream, the target's pid). Stopping the target only after a
+        first token left the rest of the request a window to finish in on a fast machine."""
         self.wait_line("specdec serving", 180)
         [target] = find(self.proc.pid, "TargetWorkerActor")
-        stream, tokens = self.stream()
         os.kill(target, signal.SIGSTOP)
-        return stream, tokens, target
-
-    def stream(self):
-        """A long greedy request, started: (its stream, the tokens of its first response)."""
         request = generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                                  num_speculative_tokens=0)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         stream = generation_pb2_grpc.GenerationStub(self.channel).Generate(request, timeout=300)
-        return stream, list(next(stream).token_ids)
+        assert dict(stream.initial_metadata()).get(REQUEST_ID_METADATA), "the server accepted the request"
+        return stream, target
 
     def exit_seconds(self, since: float, limit: float) -> tuple[int, float]:
         """(exit status, seconds from `since` until the command exited), waiting up to `limit` s;
@@ -171,7 +169,8 @@ def test_sigterm_to_the_whole_group_drains_the_stream_in_flight_and_exits_0(mode
     grace = 60.0
     serve = Serve(models, grace)
     try:
-        stream, tokens, target = serve.stream_held_in_flight()
+        stream, target = serve.stream_held_in_flight()
+        tokens: list[int] = []
         signalled = time.monotonic()
         os.killpg(serve.proc.pid, signal.SIGTERM)  # what systemd's KillMode=control-group sends
         serve.wait_line("draining", 30)
@@ -196,7 +195,7 @@ def test_sigint_with_a_stream_longer_than_the_grace_period_exits_0_within_grace_
     grace = 2.0
     serve = Serve(models, grace)
     try:
-        stream, _, _ = serve.stream_held_in_flight()
+        stream, _ = serve.stream_held_in_flight()
         signalled = time.monotonic()
         serve.proc.send_signal(signal.SIGINT)  # the command alone (it relays to its service)
         status, seconds = serve.exit_seconds(signalled, grace + EXIT_MARGIN_S + 30)
@@ -213,7 +212,7 @@ def test_ray_processes_stopped_first_then_the_command_exits_0_at_once(models):
     grace = 30.0
     serve = Serve(models, grace)
     try:
-        stream, _, _ = serve.stream_held_in_flight()  # still in flight when Ray goes
+        stream, _ = serve.stream_held_in_flight()  # still in flight when Ray goes
         ray_processes = find(serve.proc.pid, "gcs_server") + find(serve.proc.pid, "raylet --")
         assert len(ray_processes) == 2, descendants(serve.proc.pid)
         for pid in ray_processes:

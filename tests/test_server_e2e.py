@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.frontend.server import SERVICE_NAME
 from coordinator.frontend.server_thread import LOOPBACK_SERVER, run_server_in_thread
+from coordinator.frontend.servicer import REQUEST_ID_METADATA
 from draft_worker import grpc_server as draft_server
 from draft_worker.worker import DraftWorker
 from specdec.client import GenerationClient
@@ -166,6 +167,23 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(served, prompt, 
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
     assert served.client.generate([1, 2, 3], max_new_tokens=3).finish_reason == "length"
+
+
+def test_an_accepted_call_names_its_request_in_initial_metadata_before_the_first_token(served):
+    gate = RoundGate()
+    served.scheduler.on_round = gate
+    try:
+        call = served.client.generate_stream([4, 8, 15, 16], max_new_tokens=50)
+        req_id = dict(call.initial_metadata())[REQUEST_ID_METADATA]
+        assert gate.held_request_ids() == [req_id]  # the request the scheduler runs
+        call.cancel()
+    finally:
+        gate.open()
+        served.scheduler.on_round = None
+    refused = served.client.generate_stream("hi", temperature=-1.0)
+    with pytest.raises(grpc.RpcError):
+        list(refused)
+    assert REQUEST_ID_METADATA not in dict(refused.initial_metadata() or ())
 
 
 def test_client_cancel_frees_kv_blocks(served):

@@ -66,6 +66,9 @@ def _error_status(failure: RequestFailed) -> tuple[grpc.StatusCode, str]:
     return code, failure.message
 
 
+REQUEST_ID_METADATA = "specdec-request-id"  # initial metadata of an accepted Generate call
+
+
 class GenerationServicer:
     """Register it with coordinator.frontend.request_decoding.add_generation_servicer."""
 
@@ -113,6 +116,9 @@ class GenerationServicer:
             context.add_done_callback(lambda _ctx: self.scheduler.abort(req.req_id))
             self.gate.enter()
             try:
+                # Accepted: its id goes out at once, before the first token (for a client's logs
+                # and traces; for tests, the sign that the request is in flight).
+                await context.send_initial_metadata(((REQUEST_ID_METADATA, req.req_id),))
                 async with contextlib.aclosing(stream_request(self.scheduler, req, self.metrics,
                                                               waiting)) as updates:
                     async for update in updates:

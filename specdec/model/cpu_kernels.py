@@ -74,12 +74,12 @@ def _ptr(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
     return t.data_ptr()
 
 
-KV_CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (float16: half the bytes)
+_CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (float16: half the bytes)
 
 
 def _cache_pointers(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     """(k, v, half): the caches' data and whether they hold float16 (both the same format)."""
-    _expect(k_cache.dtype in KV_CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
+    _expect(k_cache.dtype in _CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
             f"KV cache of {k_cache.dtype} / {v_cache.dtype}: expected float32 or float16, both alike")
     return _ptr(k_cache, k_cache.dtype), _ptr(v_cache, k_cache.dtype), int(k_cache.dtype == torch.float16)
 

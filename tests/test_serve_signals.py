@@ -222,8 +222,17 @@ def test_ray_processes_stopped_first_then_the_command_exits_0_at_once(models):
         status, seconds = serve.exit_seconds(signalled, grace + EXIT_MARGIN_S + 60)
         assert status == 0, "\n".join(serve.seen)
         assert seconds <= grace + EXIT_MARGIN_S
-        with pytest.raises(grpc.RpcError):  # the actors serving it died with Ray: nothing to drain
-            for _ in stream:
-                pass
+        # Nothing was drained: the stream fails, or ends complete where the actors outlive Ray for
+        # a moment: raylet's exit orphans the stopped target's process group, and the kernel then
+        # continues it (SIGHUP, SIGCONT), so it may finish the request before the coordinator's
+        # process is gone. Never a partial stream ending OK.
+        tokens, last = [], None
+        try:
+            for response in stream:
+                tokens.extend(response.token_ids)
+                last = response
+        except grpc.RpcError:
+            return
+        assert last is not None and last.finish_reason == "length" and len(tokens) == NEW_TOKENS
     finally:
         serve.close()

@@ -50,12 +50,6 @@ REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (s
 _ALPHA_MAX = 0.999  # keeps E finite
 
 
-def expected_tokens(alpha: float, k: int, coverage: float = 1.0, first: float | None = None) -> float:
-    """Tokens a round asking K commits: 1 + coverage first (1 + alpha + ... + alpha^(K-1)), alpha
-    < 1 (first: the first depth's acceptance, alpha's by default)."""
-    return 1.0 + coverage * (alpha if first is None else first) * (1.0 - alpha ** k) / (1.0 - alpha)
-
-
 class Estimate(NamedTuple):
     """What a request's drafts are worth (the model above)."""
 
@@ -66,6 +60,17 @@ class Estimate(NamedTuple):
     def worth(self, k: int) -> float:
         """Committed tokens the k-th asked token adds."""
         return self.coverage * self.first * self.alpha ** (k - 1)
+
+    def worth_up_to(self, k: int) -> float:
+        """Committed tokens the first k asked tokens add: coverage first (1 + alpha + ... +
+        alpha^(k-1)), alpha < 1."""
+        return self.coverage * self.first * (1.0 - self.alpha ** k) / (1.0 - self.alpha)
+
+
+def expected_tokens(alpha: float, k: int, coverage: float = 1.0, first: float | None = None) -> float:
+    """Tokens a round asking K commits: 1 + the worth of its K tokens (first: the first depth's
+    acceptance, alpha's by default)."""
+    return 1.0 + Estimate(alpha, coverage, alpha if first is None else first).worth_up_to(k)
 
 
 def _initial() -> Estimate:
@@ -270,7 +275,7 @@ class SpeculationPolicy:
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
         for r, e in zip(free, estimates):
             top, least_coverage, most = max(top, e.worth(1)), min(least_coverage, e.coverage), most + r.cap
-            worths += e.coverage * e.first * (1.0 - e.alpha ** r.cap) / (1.0 - e.alpha)
+            worths += e.worth_up_to(r.cap)
         least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + d0 + d1 + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))

@@ -67,8 +67,10 @@ static inline float cache_load(const void *cache, int64_t i, int f16) {
     return f16 ? half_to_float(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
 }
 
+static inline int64_t cache_element_bytes(int f16) { return f16 ? 2 : 4; }
+
 static inline const void *cache_at(const void *cache, int64_t i, int f16) {
-    return (const char *)cache + i * (f16 ? 2 : 4);
+    return (const char *)cache + i * cache_element_bytes(f16);
 }
 
 /* cache[i .. i + n - 1] = src[0 .. n - 1]. */
@@ -331,7 +333,7 @@ ATTENTION_INLINE void score_block(const float *q, int64_t group, int64_t dim, co
 /* Prefetch cache rows slots[j0 .. j1 - 1] (within length), elements from .. to of each. */
 ATTENTION_INLINE void prefetch_rows(const void *cache, const int64_t *slots, int64_t j0, int64_t j1,
                                     int64_t length, int64_t row, int64_t from, int64_t to, int f16) {
-    const int64_t line = f16 ? 32 : 16; /* elements in a 64-byte cache line */
+    const int64_t line = 64 / cache_element_bytes(f16); /* elements in a 64-byte cache line */
     for (int64_t j = j0; j < j1 && j < length; j++)
         for (int64_t b = from; b < to; b += line) __builtin_prefetch(cache_at(cache, slots[j] * row + b, f16));
 }
@@ -789,8 +791,8 @@ int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final
     const float *delta = 0;
     for (int64_t i = 0; i < count; i++) {
         const DecoderLayer *l = layers + i;
-        void *kc = (char *)k_cache + i * layer_stride * (f16 ? 2 : 4);
-        void *vc = (char *)v_cache + i * layer_stride * (f16 ? 2 : 4);
+        void *kc = (char *)k_cache + i * layer_stride * cache_element_bytes(f16);
+        void *vc = (char *)v_cache + i * layer_stride * cache_element_bytes(f16);
         add_rms_norm(x, delta, l->input_norm, h, tokens, hidden, eps);
         if (project(h, tokens, hidden, &l->qkv, qkv)) return -1;
         rope_store_kv(qkv, tokens, heads, kv_heads, dim, positions, cos, sin, l->head_norm, eps, slots, kc, vc,

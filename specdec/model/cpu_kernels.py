@@ -78,7 +78,7 @@ _CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (fl
 
 
 def _cache_pointers(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
-    """(k, v, half): the caches' data and whether they hold float16 (both the same format)."""
+    """(k, v, f16): the caches' data and whether they hold float16 (both the same format)."""
     _expect(k_cache.dtype in _CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
             f"KV cache of {k_cache.dtype} / {v_cache.dtype}: expected float32 or float16, both alike")
     return _ptr(k_cache, k_cache.dtype), _ptr(v_cache, k_cache.dtype), int(k_cache.dtype == torch.float16)
@@ -177,12 +177,12 @@ class CpuKernels:
                 and tuple(token_seqs.shape) == (tokens,) and kv_slots.dim() == 2 and heads % kv_heads == 0,
                 f"decoder_layers: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, "
                 f"{ {name: tuple(t.shape) for name, t in scratch.items()} }")
-        k_data, v_data, half = _cache_pointers(k_cache, v_cache)
+        k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.decoder_layers(
             table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), *(_ptr(scratch[name]) for name in shapes), tokens,
             hidden, heads, kv_heads, dim, inter, eps, scale, _ptr(positions, torch.int64), _ptr(cos), _ptr(sin),
             _ptr(slots, torch.int64), _ptr(token_seqs, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
-            k_data, v_data, k_cache[0].numel(), half)
+            k_data, v_data, k_cache[0].numel(), f16)
         if status != 0:
             raise MemoryError("decoder_layers: no memory for the attention scores or the quantized rows")
 
@@ -229,10 +229,10 @@ class CpuKernels:
                 and tuple(token_seqs.shape) == (tokens,) and tuple(positions.shape) == (tokens,)
                 and kv_slots.dim() == 2 and k_cache.shape == v_cache.shape and heads % kv_heads == 0,
                 f"attend: qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, kv_slots {tuple(kv_slots.shape)}")
-        k_data, v_data, half = _cache_pointers(k_cache, v_cache)
+        k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.attend(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(token_seqs, torch.int64),
                                   _ptr(positions, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
-                                  k_data, v_data, scale, _ptr(out), half)
+                                  k_data, v_data, scale, _ptr(out), f16)
         if status != 0:
             raise MemoryError("attend: no memory for the attention scores")
 

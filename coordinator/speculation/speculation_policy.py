@@ -10,9 +10,11 @@ The model:
   DECAY every round the request takes part in (at K = 0 too: old evidence gives way to the
   prior). The prior is the pool: the same estimates over all requests of the same kind (greedy or
   sampled), fading by DECAY per PRIOR_WEIGHT tokens, from INITIAL_ACCEPTANCE and coverage 1.
-- A tree's first depth has several children, so it is accepted more often than one token: with
-  trees, a request's first depth has its own rate (first; alpha then counts deeper tokens only),
-  and its k-th asked token is worth coverage * first * alpha^(k - 1). A chain's first = alpha.
+- The first asked token has a rate of its own (first; alpha counts the others) where it differs:
+  a chain's right after a round that rejected a token (measured, greedy: a draft that was just
+  wrong is wrong again at the next token 0.3-0.6 of the time against 0.1-0.15 after an accepted
+  one), a tree's always (its first depth has several children). Its k-th asked token is worth
+  coverage * first * alpha^(k - 1). After a round that drafted nothing first = alpha again.
 - A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is `branches` tokens).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
@@ -53,9 +55,9 @@ _ALPHA_MAX = 0.999  # keeps E finite
 class Estimate(NamedTuple):
     """What a request's drafts are worth (the model above)."""
 
-    alpha: float  # acceptance of a draft token (with trees: beyond the first depth)
+    alpha: float  # acceptance of a draft token (but for the first where it has its own rate)
     coverage: float  # the share of asked tokens the drafter proposes
-    first: float  # acceptance of the first depth (a chain's: alpha)
+    first: float  # acceptance of the first asked depth (alpha where it has no rate of its own)
 
     def worth(self, k: int) -> float:
         """Committed tokens the k-th asked token adds."""
@@ -94,7 +96,8 @@ def _rate(hits: float, trials: float, prior: float) -> float:
 @dataclass
 class Evidence:
     """Accepted and tested, proposed and asked draft tokens, and of them the first depth's
-    (accepted, tested), faded; a probe clock (rounds at 0, the current interval)."""
+    (accepted, tested) where it has a rate of its own, faded; whether the last round rejected a
+    token; a probe clock (rounds at 0, the current interval)."""
 
     accepted: float = 0.0
     tested: float = 0.0
@@ -104,12 +107,10 @@ class Evidence:
     interval: int = 2
     first_accepted: float = 0.0
     first_tested: float = 0.0
+    missed: bool = False  # the last round rejected a proposed token (a chain's next first: `first`)
 
     def alpha(self, prior: float) -> float:
-        return _rate(self.accepted, self.tested, prior)
-
-    def deeper_alpha(self, prior: float) -> float:
-        """alpha of the tokens beyond the first depth (trees: `first` has its own)."""
+        """The rate of the tokens not counted in `first`."""
         return _rate(self.accepted - self.first_accepted, self.tested - self.first_tested, prior)
 
     def first(self, prior: float) -> float:
@@ -170,17 +171,22 @@ class SpeculationPolicy:
         caller has them; seeded requests: the constants)."""
         if prior is None:
             prior = _initial() if request.seeded else self._kind_prior(request.greedy)
-        return self._estimate(self._own.get(request.req_id) or _NO_EVIDENCE, prior)
+        own = self._own.get(request.req_id) or _NO_EVIDENCE
+        rates = self._rates(own, prior)
+        return rates if self._first_apart(own) else rates._replace(first=rates.alpha)
 
-    def _estimate(self, evidence: Evidence, prior: Estimate) -> Estimate:
-        if self.branches == 1:  # a chain's first token is one draw like the others
-            alpha = evidence.alpha(prior.alpha)
-            return Estimate(alpha, evidence.coverage(prior.coverage), alpha)
-        return Estimate(evidence.deeper_alpha(prior.alpha), evidence.coverage(prior.coverage),
-                        evidence.first(prior.first))
+    def _first_apart(self, evidence: Evidence) -> bool:
+        """Whether the next round's first asked depth has a rate of its own (the model above)."""
+        return self.branches > 1 or evidence.missed
+
+    @staticmethod
+    def _rates(evidence: Evidence, prior: Estimate) -> Estimate:
+        """The rates of `evidence` over `prior`; an unmeasured first rate is no better than alpha."""
+        alpha = evidence.alpha(prior.alpha)
+        return Estimate(alpha, evidence.coverage(prior.coverage), evidence.first(min(prior.first, alpha)))
 
     def _kind_prior(self, greedy: bool) -> Estimate:
-        return self._estimate(self._pool[greedy], _initial())
+        return self._rates(self._pool[greedy], _initial())
 
     def export(self, req_id: str) -> Evidence | None:
         """A request's own history, to carry to another replica's policy (`adopt`)."""
@@ -209,8 +215,9 @@ class SpeculationPolicy:
                 # At K = 0 an estimate only moves towards its prior: if tokens could not pay at
                 # the larger of the two either, the next rounds are settled too (_still_quiet;
                 # not with seeded or capped-out requests, which follow rules of their own).
-                if len(free) == len(requests):
+                if len(free) == len(requests):  # (a first token may be priced at alpha from the next round)
                     ceilings = [Estimate(*map(max, e, prior[r.greedy])) for r, e in zip(free, estimates)]
+                    ceilings = [e._replace(first=max(e.first, e.alpha)) for e in ceilings]
                     if self._cannot_pay(free, ceilings, len(requests), costs):
                         self._quiet = [r.req_id for r in requests]
             else:
@@ -268,16 +275,17 @@ class SpeculationPolicy:
                     costs: tuple[float, ...]) -> bool:
         """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked
         tokens are worth at most min(m * the best worth, all worths) and cost at least a draft
-        call's d0 + d1 plus m times the least a token costs; their ratio peaks at an end or at
-        the kink."""
-        v0, v1, _, d0, d1, d2, _, overhead = costs
+        call's d0 + d1 + the least catch-up plus m times the least a token costs; their ratio
+        peaks at an end or at the kink."""
+        v0, v1, _, d0, d1, d2, d3, overhead = costs
         plain = v0 + v1 * batch + overhead
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
         for r, e in zip(free, estimates):
             top, least_coverage, most = max(top, e.worth(1)), min(least_coverage, e.coverage), most + r.cap
             worths += e.worth_up_to(r.cap)
         least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
-        return all((batch + min(m * top, worths)) * plain <= batch * (plain + d0 + d1 + m * least)
+        call = d0 + d1 + d3 * min(r.backlog for r in free)  # (backlogs only grow at K = 0)
+        return all((batch + min(m * top, worths)) * plain <= batch * (plain + call + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 
     def _still_quiet(self, requests: list[PolicyRequest]) -> bool:
@@ -340,13 +348,15 @@ class SpeculationPolicy:
                 del self._own[req_id]  # (its last round still counts for its kind)
             if not asked:  # (the common round at K = 0: only fading)
                 own.add(0, 0, 0, 0)
-                own.rounds_at_zero += 1
+                own.rounds_at_zero, own.missed = own.rounds_at_zero + 1, False
                 continue
             # The first rejected token was tested; tokens asked for but never proposed were not.
             accepted, proposed = update.accepted, update.proposed
             tested = accepted + (accepted < proposed)
-            counts = (accepted, tested, proposed, asked, min(accepted, 1), min(proposed, 1))  # (first: depth 1)
+            first = self._first_apart(own)  # (the first depth counted apart)
+            counts = (accepted, tested, proposed, asked, min(accepted, 1) * first, min(proposed, 1) * first)
             own.add(*counts[:4], first_accepted=counts[4], first_tested=counts[5])
+            own.missed = accepted < proposed
             kind = greedy.get(req_id, True)
             pooled[kind] = [total + n for total, n in zip(pooled[kind], counts)]
             if req_id in chosen.seeded_probes:

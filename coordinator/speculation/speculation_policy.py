@@ -1,33 +1,29 @@
 """How many tokens each running request drafts this round: K from 0 (plain decoding) to its cap.
 
 The model:
-- alpha: a request's acceptance per proposed draft token; coverage: the share of the tokens asked
-  for that the drafter proposes (1 for a model; an n-gram lookup may find nothing). Its k-th asked
-  token is worth coverage * alpha^k committed tokens, and only a proposed token is verified.
-- alpha = (accepted + PRIOR_WEIGHT * prior) / (tested + PRIOR_WEIGHT), tested = the accepted
-  tokens plus the first rejected one; coverage likewise from proposed / asked. A token asked for
-  but not proposed is no rejection: it cost a lookup, not a verified token. The counts fade by
-  DECAY every round the request takes part in (at K = 0 too: old evidence gives way to the
-  prior). The prior is the pool: the same estimates over all requests of the same kind (greedy or
-  sampled), fading by DECAY per PRIOR_WEIGHT tokens, from INITIAL_ACCEPTANCE and coverage 1.
-- The first asked token has a rate of its own (first; alpha counts the others) where it differs:
-  a chain's right after a round that rejected a token (measured, greedy: a draft that was just
-  wrong is wrong again at the next token 0.3-0.6 of the time against 0.1-0.15 after an accepted
-  one), a tree's always (its first depth has several children). Its k-th asked token is worth
-  coverage * first * alpha^(k - 1). After a round that drafted nothing first = alpha again.
-- A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is `branches` tokens).
+- A request's k-th asked token is worth coverage * first * alpha^(k - 1) committed tokens:
+  coverage, the share of asked tokens the drafter proposes (1 for a model; an n-gram lookup may
+  find nothing: no rejection, a lookup's cost); alpha, a proposed token's acceptance; first, the
+  first asked depth's, which has a rate of its own where it differs (else first = alpha): a
+  chain's right after a round that rejected a token (measured, greedy: a draft just wrong is wrong
+  again at the next token 0.4-0.7 of the time, 0.03-0.14 after a round that kept everything), a
+  tree's always (its first depth has several children). An unmeasured first is no better than alpha.
+- Each rate = (hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT); a token is tested up to the
+  first rejected one. The counts fade by DECAY every round the request takes part in (at K = 0
+  too: old evidence gives way to the prior). The prior is the pool: the same rates over all
+  requests of the same kind (greedy or sampled), fading by DECAY per PRIOR_WEIGHT tokens, from
+  INITIAL_ACCEPTANCE and coverage 1.
+- A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
   bound settles the rounds where no token could pay, and the next ones too while nothing that
   could change that changes (K = 0 rounds cost little to choose).
-- Probes keep K = 0 from being a trap: requests at K = 0 gain no evidence, so once a kind has had
-  no drafting round for its probe interval, its request longest without drafting (the smaller
-  backlog among equals) drafts 1 token. The interval starts at 2 rounds, doubles up to
-  MAX_PROBE_INTERVAL after each probe that brings no request back, resets when one drafts on
-  merit, and counts in plain rounds' worth of the probe's predicted price (a draft call catching
-  up the backlog, a step, one more verified token) where that is more than a round: a dear probe
-  takes no more of the time than a cheap one. No probe while even acceptance 1 could not pay for drafting (a price
-  that fades with rounds that do not draft).
+- Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
+  interval, its request longest without drafting (the smaller backlog among equals) drafts 1
+  token. The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL after each probe that
+  brings no request back, resets when one drafts on merit, and counts in plain rounds' worth of
+  the probe's predicted price where that is more than a round (a dear probe takes no more of the
+  time than a cheap one). No probe while even acceptance 1 could not pay for drafting.
 - Seeded sampled requests: which draws decide a token depends on K, so their K follows their own
   history only: each maximises its expected tokens / (1 + K (c + REFERENCE_VERIFY_TOKEN_COST)), in
   target steps, c = draft/target parameter ratio, from the constant priors, and probes on its own

@@ -151,6 +151,23 @@ def test_arguments_c_would_misread_are_refused_before_the_call():
         rotary = RotaryTable(8, 16, 10000.0, None, torch.device("cpu"), torch.float32)
         kernels.rope_store_kv(torch.randn(1, 32), 2, 1, torch.tensor([0], dtype=torch.int32), rotary.cos, rotary.sin,
                               None, 1e-6, torch.tensor([0]), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
+    # Each check's message is made only when it fails (the checks run on every pass): each is made here.
+    rotary = RotaryTable(8, 16, 10000.0, None, torch.device("cpu"), torch.float32)
+    cache, one = torch.zeros(1, 4, 1, 8), torch.tensor([0])
+    with pytest.raises(KernelArgumentError, match=r"rope_store_kv: qkv \(1, 31\)"):
+        kernels.rope_store_kv(torch.randn(1, 31), 2, 1, one, rotary.cos, rotary.sin, None, 1e-6, one, cache, cache)
+    with pytest.raises(KernelArgumentError, match=r"KV cache of torch.float64"):
+        kernels.rope_store_kv(torch.randn(1, 32), 2, 1, one, rotary.cos, rotary.sin, None, 1e-6, one,
+                              cache.double(), cache.double())
+    with pytest.raises(KernelArgumentError, match=r"attend: qkv \(1, 32\), out \(1, 15\)"):
+        kernels.attend(torch.randn(1, 32), 2, 1, one, one, torch.zeros(1, 4, dtype=torch.int64), cache, cache, 1.0,
+                       torch.empty(1, 15))
+    scratch = {"qkv": torch.empty(1, 31), "attn": torch.empty(1, 16), "out": torch.empty(1, 8),
+               "gate_up": torch.empty(1, 8), "act": torch.empty(1, 4)}
+    with pytest.raises(KernelArgumentError, match=r"decoder_layers: x \(1, 8\).*'qkv': \(1, 31\)"):
+        kernels.decoder_layers([], torch.ones(8), torch.randn(1, 8), torch.empty(1, 8), scratch, 2, 1, 1e-5, 1.0, one,
+                               rotary.cos, rotary.sin, one, one, torch.zeros(1, 4, dtype=torch.int64),
+                               cache[None], cache[None])
 
 
 @needs_kernels

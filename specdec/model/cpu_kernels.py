@@ -24,6 +24,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,13 +81,15 @@ _CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (fl
 def _cache_pointers(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     """(k, v, f16): the caches' data and whether they hold float16 (both the same format)."""
     _expect(k_cache.dtype in _CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
-            f"KV cache of {k_cache.dtype} / {v_cache.dtype}: expected float32 or float16, both alike")
+            lambda: f"KV cache of {k_cache.dtype} / {v_cache.dtype}: expected float32 or float16, both alike")
     return _ptr(k_cache, k_cache.dtype), _ptr(v_cache, k_cache.dtype), int(k_cache.dtype == torch.float16)
 
 
-def _expect(condition: bool, what: str) -> None:
+def _expect(condition: bool, what: Callable[[], str]) -> None:
+    """Raise KernelArgumentError(what()) unless condition: the message is made only then (the
+    checks run on every pass, their messages format shapes)."""
     if not condition:
-        raise KernelArgumentError(what)
+        raise KernelArgumentError(what())
 
 
 class CpuKernels:
@@ -110,7 +113,8 @@ class CpuKernels:
         """out [M, N] = x [M, K] @ weight (+ its bias); returns out."""
         m, k = x.shape
         _expect(k == weight.in_features and tuple(out.shape) == (m, weight.out_features),
-                f"matmul: x {tuple(x.shape)} @ [{weight.in_features}, {weight.out_features}] -> out {tuple(out.shape)}")
+                lambda: f"matmul: x {tuple(x.shape)} @ [{weight.in_features}, {weight.out_features}] -> "
+                f"out {tuple(out.shape)}")
         bias = None if weight.bias is None else weight.bias.data_ptr()
         if isinstance(weight, QuantizedPanelWeight):
             mins = None if weight.mins is None else _ptr(weight.mins, torch.float16)
@@ -127,7 +131,7 @@ class CpuKernels:
         weight.columns (the embedding rows of a model whose LM head is its embedding)."""
         _expect(index.dim() == 1 and (index.numel() == 0 or (0 <= int(index.min())
                                                               and int(index.max()) < weight.out_features)),
-                f"columns: index {tuple(index.shape)} outside 0..{weight.out_features - 1}")
+                lambda: f"columns: index {tuple(index.shape)} outside 0..{weight.out_features - 1}")
         rows = torch.empty(len(index), weight.in_features)
         mins = None if weight.mins is None else _ptr(weight.mins, torch.float16)
         self._lib.quantized_columns(_ptr(weight.codes, torch.uint8), _ptr(weight.scales, torch.float16), mins,
@@ -175,7 +179,7 @@ class CpuKernels:
                 and k_cache.shape[3:] == (kv_heads, dim) and cos.shape[1] == dim and sin.shape == cos.shape
                 and tuple(positions.shape) == (tokens,) and tuple(slots.shape) == (tokens,)
                 and tuple(token_seqs.shape) == (tokens,) and kv_slots.dim() == 2 and heads % kv_heads == 0,
-                f"decoder_layers: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, "
+                lambda: f"decoder_layers: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, "
                 f"{ {name: tuple(t.shape) for name, t in scratch.items()} }")
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.decoder_layers(
@@ -191,14 +195,15 @@ class CpuKernels:
         """x [T, H] += delta [T, H] (None: nothing to add), then out [T, H] = RMSNorm(x) * weight [H]."""
         rows, dim = x.shape
         _expect(tuple(weight.shape) == (dim,) and out.shape == x.shape and (delta is None or delta.shape == x.shape),
-                f"add_rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+                lambda: f"add_rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
         self._lib.add_rms_norm(_ptr(x), None if delta is None else _ptr(delta), _ptr(weight), _ptr(out), rows, dim,
                                eps)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, I] = silu(gate) * up, gate_up [T, 2 I] (gate first)."""
         rows, inter = out.shape
-        _expect(tuple(gate_up.shape) == (rows, 2 * inter), f"silu_mul: {tuple(gate_up.shape)} -> {tuple(out.shape)}")
+        _expect(tuple(gate_up.shape) == (rows, 2 * inter),
+                lambda: f"silu_mul: {tuple(gate_up.shape)} -> {tuple(out.shape)}")
         self._lib.silu_mul(_ptr(gate_up), _ptr(out), rows, inter)
 
     def rope_store_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor,
@@ -212,7 +217,7 @@ class CpuKernels:
                 and tuple(slots.shape) == (tokens,) and sin.shape == cos.shape
                 and k_cache.shape[2:] == (kv_heads, dim) and v_cache.shape == k_cache.shape
                 and (head_norm is None or tuple(head_norm.shape) == (heads + kv_heads, dim)),
-                f"rope_store_kv: qkv {tuple(qkv.shape)}, {heads}/{kv_heads} heads of {dim}, "
+                lambda: f"rope_store_kv: qkv {tuple(qkv.shape)}, {heads}/{kv_heads} heads of {dim}, "
                 f"cache {tuple(k_cache.shape)}")
         self._lib.rope_store_kv(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(positions, torch.int64), _ptr(cos),
                                 _ptr(sin), None if head_norm is None else _ptr(head_norm), eps,
@@ -228,7 +233,7 @@ class CpuKernels:
         _expect(qkv.shape[1] == (heads + 2 * kv_heads) * dim and tuple(out.shape) == (tokens, heads * dim)
                 and tuple(token_seqs.shape) == (tokens,) and tuple(positions.shape) == (tokens,)
                 and kv_slots.dim() == 2 and k_cache.shape == v_cache.shape and heads % kv_heads == 0,
-                f"attend: qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, kv_slots {tuple(kv_slots.shape)}")
+                lambda: f"attend: qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, kv_slots {tuple(kv_slots.shape)}")
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.attend(_ptr(qkv), tokens, heads, kv_heads, dim, _ptr(token_seqs, torch.int64),
                                   _ptr(positions, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
@@ -239,7 +244,7 @@ class CpuKernels:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """[M] int64: torch.argmax(x [M, N], dim=-1) (the first of equal values; a row's first NaN)."""
         rows, cols = x.shape
-        _expect(cols > 0, f"argmax: x {tuple(x.shape)} has no columns")
+        _expect(cols > 0, lambda: f"argmax: x {tuple(x.shape)} has no columns")
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.argmax_rows(_ptr(x), rows, cols, _ptr(out, torch.int64))
         return out

@@ -147,13 +147,12 @@ def test_arguments_c_would_misread_are_refused_before_the_call():
         kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(7), torch.empty(2, 8), 1e-5)
     with pytest.raises(KernelArgumentError, match="silu_mul"):
         kernels.silu_mul(torch.randn(2, 10), torch.empty(2, 4))
-    with pytest.raises(KernelArgumentError, match="torch.int64"):
-        rotary = RotaryTable(8, 16, 10000.0, None, torch.device("cpu"), torch.float32)
-        kernels.rope_store_kv(torch.randn(1, 32), 2, 1, torch.tensor([0], dtype=torch.int32), rotary.cos, rotary.sin,
-                              None, 1e-6, torch.tensor([0]), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8))
-    # Each check's message is made only when it fails (the checks run on every pass): each is made here.
     rotary = RotaryTable(8, 16, 10000.0, None, torch.device("cpu"), torch.float32)
     cache, one = torch.zeros(1, 4, 1, 8), torch.tensor([0])
+    with pytest.raises(KernelArgumentError, match="torch.int64"):
+        kernels.rope_store_kv(torch.randn(1, 32), 2, 1, torch.tensor([0], dtype=torch.int32), rotary.cos, rotary.sin,
+                              None, 1e-6, one, cache, cache)
+    # Each check's message is made only when it fails (the checks run on every pass): each is made here.
     with pytest.raises(KernelArgumentError, match=r"rope_store_kv: qkv \(1, 31\)"):
         kernels.rope_store_kv(torch.randn(1, 31), 2, 1, one, rotary.cos, rotary.sin, None, 1e-6, one, cache, cache)
     with pytest.raises(KernelArgumentError, match=r"KV cache of torch.float64"):

@@ -161,10 +161,13 @@ def test_arguments_c_would_misread_are_refused_before_the_call():
     with pytest.raises(KernelArgumentError, match=r"attend: qkv \(1, 32\), out \(1, 15\)"):
         kernels.attend(torch.randn(1, 32), 2, 1, one, one, torch.zeros(1, 4, dtype=torch.int64), cache, cache, 1.0,
                        torch.empty(1, 15))
-    scratch = {"qkv": torch.empty(1, 31), "attn": torch.empty(1, 16), "out": torch.empty(1, 8),
-               "gate_up": torch.empty(1, 8), "act": torch.empty(1, 4)}
-    with pytest.raises(KernelArgumentError, match=r"decoder_layers: x \(1, 8\).*'qkv': \(1, 31\)"):
-        kernels.decoder_layers([], torch.ones(8), torch.randn(1, 8), torch.empty(1, 8), scratch, 2, 1, 1e-5, 1.0, one,
+    table = (kernels_module._DecoderLayer * 1)()  # a layer of 2 + 2 * 1 heads of 8 -> 32, widths 8 <-> 8
+    table[0].qkv.n, table[0].o_proj.n, table[0].gate_up.n, table[0].down.n = 32, 8, 8, 8
+    with pytest.raises(KernelArgumentError, match=r"decoder_layers: x \(1, 8\)"):  # its MLP is 4 wide, not 5
+        kernels.decoder_layers(table, torch.ones(8), torch.randn(1, 8), 2, 1, 5, 1e-5, 1.0, one, rotary.cos,
+                               rotary.sin, one, one, torch.zeros(1, 4, dtype=torch.int64), cache[None], cache[None])
+    with pytest.raises(KernelArgumentError, match=r"decoder_layers: x \(1, 8\).*positions \(2,\)"):
+        kernels.decoder_layers([], torch.ones(8), torch.randn(1, 8), 2, 1, 4, 1e-5, 1.0, torch.tensor([0, 1]),
                                rotary.cos, rotary.sin, one, one, torch.zeros(1, 4, dtype=torch.int64),
                                cache[None], cache[None])
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.model import ModelConfig, ModelSourceError, load_model
-from specdec.model.batch import prepare_forward
+from specdec.model.batch import prepare_forward, sequence_kv_slots
 from specdec.model.linear import onednn_available
 
 from checkpoints import build_checkpoint
@@ -190,6 +190,8 @@ def test_lone_sequence_in_consecutive_blocks_is_read_without_a_gather(gqa_target
     assert cache.block_table("a") == [0, 1, 2, 3]
     batch = prepare_forward(cache, ["a"], [[5]], [1])
     assert batch.kv_start == 0
+    # Its key slots are one range, the same as the block tables give.
+    assert torch.equal(batch.kv_slots, sequence_kv_slots(batch.block_tables, 4, batch.context_len))
     viewed = ours.forward(batch, cache)
     gathered = ours.forward(dataclasses.replace(batch, kv_start=None), cache)  # same slot, rewritten
     assert torch.equal(viewed, gathered)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import subprocess
@@ -69,12 +70,13 @@ class KernelArgumentError(ValueError):
 
 
 def _ptr(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
-    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+    if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu:
         raise KernelArgumentError(f"expected a contiguous CPU {dtype} tensor, got {t.dtype} {tuple(t.shape)} "
                                   f"(contiguous: {t.is_contiguous()}, device: {t.device})")
     return t.data_ptr()
 
 
+_LINE_FLOATS = 16  # floats in a 64-byte cache line: where each part of a shared scratch starts
 _CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (float16: half the bytes)
 
 
@@ -160,35 +162,41 @@ class CpuKernels:
             row.gate_up, row.down = projection(layer.gate_up), projection(layer.down)
         return table
 
-    def decoder_layers(self, table: ctypes.Array, final_norm: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
-                       scratch: dict[str, torch.Tensor], heads: int, kv_heads: int, eps: float, scale: float,
-                       positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                       token_seqs: torch.Tensor, kv_slots: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor) -> None:
-        """Every layer of `table` over x [T, hidden] (the embeddings, updated in place), then
-        h [T, hidden] = final_norm [hidden](x). scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D],
-        out [T, hidden], gate_up [T, 2 I], act [T, I]; k_cache, v_cache [layers, blocks, block
-        size, Hkv, D] (float32 or float16); the rest as rope_store_kv and attend take them."""
+    def decoder_layers(self, table: ctypes.Array, final_norm: torch.Tensor, x: torch.Tensor, heads: int,
+                       kv_heads: int, inter: int, eps: float, scale: float, positions: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, token_seqs: torch.Tensor,
+                       kv_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Every layer of `table` over x [T, hidden] (the embeddings, updated in place); returns
+        final_norm [hidden](x) [T, hidden]. inter: the MLP's width; k_cache, v_cache [layers,
+        blocks, block size, Hkv, D] (float32 or float16); the rest as rope_store_kv and attend
+        take them. The layers' scratch (q/k/v, attention, a block's output, gate/up, SiLU * up) is
+        one allocation made here, each part starting on a cache line of its own."""
         tokens, hidden = x.shape
-        dim, inter = k_cache.shape[-1], scratch["act"].shape[1]
-        shapes = {"qkv": (tokens, (heads + 2 * kv_heads) * dim), "attn": (tokens, heads * dim), "out": (tokens, hidden),
-                  "gate_up": (tokens, 2 * inter), "act": (tokens, inter)}
-        _expect(all(tuple(scratch[name].shape) == shape for name, shape in shapes.items())
-                and h.shape == x.shape and tuple(final_norm.shape) == (hidden,) and k_cache.dim() == 5
-                and k_cache.shape == v_cache.shape and k_cache.shape[0] == len(table)
-                and k_cache.shape[3:] == (kv_heads, dim) and cos.shape[1] == dim and sin.shape == cos.shape
-                and tuple(positions.shape) == (tokens,) and tuple(slots.shape) == (tokens,)
-                and tuple(token_seqs.shape) == (tokens,) and kv_slots.dim() == 2 and heads % kv_heads == 0,
-                lambda: f"decoder_layers: x {tuple(x.shape)}, cache {tuple(k_cache.shape)}, "
-                f"{ {name: tuple(t.shape) for name, t in scratch.items()} }")
+        dim = k_cache.shape[-1]
+        widths = ((heads + 2 * kv_heads) * dim, heads * dim, hidden, 2 * inter, inter)
+        _expect(tuple(final_norm.shape) == (hidden,) and k_cache.dim() == 5 and k_cache.shape == v_cache.shape
+                and k_cache.shape[0] == len(table) and k_cache.shape[3:] == (kv_heads, dim)
+                and cos.shape[1] == dim and sin.shape == cos.shape and tuple(positions.shape) == (tokens,)
+                and tuple(slots.shape) == (tokens,) and tuple(token_seqs.shape) == (tokens,)
+                and kv_slots.dim() == 2 and heads % kv_heads == 0
+                and all((p.qkv.n, p.o_proj.n, p.gate_up.n, p.down.n) == (widths[0], hidden, 2 * inter, hidden)
+                        for p in table[:1]),  # (the table's layers are alike: `layer_table`)
+                lambda: f"decoder_layers: x {tuple(x.shape)}, {heads}/{kv_heads} heads, cache "
+                f"{tuple(k_cache.shape)}, positions {tuple(positions.shape)}, slots {tuple(slots.shape)}, "
+                f"token_seqs {tuple(token_seqs.shape)}, kv_slots {tuple(kv_slots.shape)}")
+        sizes = [-(-tokens * width // _LINE_FLOATS) * _LINE_FLOATS for width in widths]
+        h, scratch = torch.empty_like(x), x.new_empty(sum(sizes))
+        base = _ptr(scratch)
+        parts = [base + 4 * start for start in itertools.accumulate(sizes[:-1], initial=0)]
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.decoder_layers(
-            table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), *(_ptr(scratch[name]) for name in shapes), tokens,
-            hidden, heads, kv_heads, dim, inter, eps, scale, _ptr(positions, torch.int64), _ptr(cos), _ptr(sin),
-            _ptr(slots, torch.int64), _ptr(token_seqs, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1],
-            k_data, v_data, k_cache[0].numel(), f16)
+            table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), *parts, tokens, hidden, heads, kv_heads, dim,
+            inter, eps, scale, _ptr(positions, torch.int64), _ptr(cos), _ptr(sin), _ptr(slots, torch.int64),
+            _ptr(token_seqs, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1], k_data, v_data,
+            k_cache.stride(0), f16)
         if status != 0:
             raise MemoryError("decoder_layers: no memory for the attention scores or the quantized rows")
+        return h
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      eps: float) -> None:

@@ -27,17 +27,10 @@ def kernel_forward_fits(batch: ForwardBatch, max_positions: int) -> bool:
 def kernel_forward(model, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
     """Model.forward for a float32 CPU model with kernels loaded; returns float32 logits [M, V]."""
     c, w, kernels = model.config, model.weights, model.kernels
-    tokens = batch.num_tokens
-    heads, kv_heads, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     x = w.embed_rows(batch.input_ids, kernels)  # [T, hidden] the residual stream (a fresh copy)
-    h = torch.empty_like(x)  # [T, hidden] each norm's output
-    scratch = {"qkv": x.new_empty(tokens, (heads + 2 * kv_heads) * dim), "attn": x.new_empty(tokens, heads * dim),
-               "out": torch.empty_like(x),  # a block's output (attention's, then the MLP's)
-               "gate_up": x.new_empty(tokens, 2 * c.intermediate_size),
-               "act": x.new_empty(tokens, c.intermediate_size)}  # silu(gate) * up
-    kernels.decoder_layers(model.layer_table, w.final_norm, x, h, scratch, heads, kv_heads, c.rms_norm_eps,
-                           model.scale, batch.positions, model.rotary.cos, model.rotary.sin, batch.slots,
-                           batch.token_seqs, batch.kv_slots, cache.k, cache.v)
+    h = kernels.decoder_layers(model.layer_table, w.final_norm, x, c.num_attention_heads, c.num_key_value_heads,
+                               c.intermediate_size, c.rms_norm_eps, model.scale, batch.positions, model.rotary.cos,
+                               model.rotary.sin, batch.slots, batch.token_seqs, batch.kv_slots, cache.k, cache.v)
     if not batch.all_logits:
         h = h.index_select(0, batch.logits_indices)
     return kernels.matmul(h, w.lm_head.panels, h.new_empty(h.shape[0], c.vocab_size))

@@ -70,8 +70,7 @@ class ModelRunner:
         lengths_before = [self.cache.length(s) for s in seq_ids]
         try:
             if sum(map(len, new_tokens)) <= self.chunk_tokens:
-                logits = self._pass(seq_ids, new_tokens, num_logits, trees)
-                return [logits] if len(seq_ids) == 1 else list(logits.split_with_sizes(num_logits))
+                return list(self._pass(seq_ids, new_tokens, num_logits, trees).split_with_sizes(num_logits))
             if trees and any(trees):
                 return self._chunked_then_tree(seq_ids, new_tokens, num_logits, trees)
             return self._chunked(seq_ids, new_tokens, num_logits)

@@ -69,21 +69,35 @@ def test_a_row_gets_the_same_bits_alone_among_any_rows_and_on_any_threads(bits):
         torch.set_num_threads(before)
 
 
+# Builds without the faster paths, each taking the next one down (quant_dot_simd: 2 AVX-512 VNNI,
+# 1 AVX2, 0 plain C).
+SLOWER_BUILDS = {1: ("-mno-avx512f",), 0: ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
 @needs_kernels
-@pytest.mark.skipif(kernels is None or not kernels._lib.quant_dot_simd(), reason="this CPU has no AVX-512 VNNI")
-def test_portable_c_gives_the_dot_product_instructions_numbers(tmp_path, monkeypatch):
-    """Integer sums are exact in any order: the library built without VNNI gives the same bits, so a
-    model's tokens do not depend on which of the two a machine runs."""
+@pytest.mark.parametrize("path", sorted(SLOWER_BUILDS))
+def test_every_path_of_the_sums_gives_the_same_bits(path, tmp_path, monkeypatch):
+    """Integer sums are exact in any order: the library built without this CPU's dot-product
+    instructions gives the same bits, so a model's tokens do not depend on which path a machine
+    runs. Inputs and codes at their ends check that no partial sum overflows: 4-bit codes of 15
+    times inputs of 127 fill a group's int16 sums to 30,480 on AVX2."""
+    if kernels._lib.quant_dot_simd() <= path:
+        pytest.skip("this CPU runs that path already")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    portable = kernels_module.open_kernels(kernels_module._build(shutil.which("cc") or "cc", ("-mno-avx512vnni",)))
-    assert not portable._lib.quant_dot_simd()
+    slower = kernels_module.open_kernels(kernels_module._build(shutil.which("cc") or "cc", SLOWER_BUILDS[path]))
+    assert slower._lib.quant_dot_simd() == path
     gen = torch.Generator().manual_seed(5)
     for bits in (8, 4):
-        matrix = quantize(torch.randn(200, 128, generator=gen), bits)
-        x = torch.randn(6, 128, generator=gen)
-        ours = kernels.matmul(x, kernels.pack_quantized(matrix), torch.empty(6, 200))
-        theirs = portable.matmul(x, portable.pack_quantized(matrix), torch.empty(6, 200))
-        assert torch.equal(ours, theirs)
+        ends = torch.where(torch.rand(200, 128, generator=gen) < 0.5, -1.0, 1.0)  # codes at both ends
+        top = torch.ones(200, 128)
+        top[:, ::GROUP] = -1.0  # all codes but one per group at the top (4-bit: 15; 8-bit: 127)
+        for matrix in (quantize(torch.randn(200, 128, generator=gen), bits), quantize(ends, bits), quantize(top, bits)):
+            for m in (1, 6, 9):
+                x = torch.randn(m, 128, generator=gen)
+                x[0], x[-1] = 1.0, torch.where(torch.arange(128) % 3 == 0, 1.0, -1.0)  # inputs at +-127
+                ours = kernels.matmul(x, kernels.pack_quantized(matrix), torch.empty(m, 200))
+                theirs = slower.matmul(x, slower.pack_quantized(matrix), torch.empty(m, 200))
+                assert torch.equal(ours, theirs)
 
 
 @needs_kernels

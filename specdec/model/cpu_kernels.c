@@ -518,7 +518,8 @@ then goes to floats, always in this chain for y[m, n]: for each group g in order
     acc = fma(m[g, n], dx[m, g] * sum of the group's xq[m, k], acc)     (4-bit with minimums)
 then + bias[n]. So a row's output never depends on the other rows or the threads, like the float
 product's; weights are never widened in memory, and the sums run on the CPU's int8 dot-product
-instructions where it has them (AVX-512 VNNI), else in plain C to the same integers.
+instructions where it has them (AVX-512 VNNI), else on AVX2's byte products, else in plain C, all
+to the same integers.
 
 Layout, panels of PANEL columns as the float weights: codes [ceil(N / PANEL)][K / 4][PANEL * 4 *
 bits / 8] bytes, each block of 4 consecutive k ("a quad") holding column j's 4 codes side by side
@@ -568,7 +569,7 @@ static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, 
 #define HALF (PANEL / 2)
 #define ROWS 8
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define QUANT_DOT_SIMD 1
+#define QUANT_DOT_SIMD 2
 /* Half a panel (32 columns, two vectors) for up to eight rows at a time: sixteen independent int32
    sums keep both of the CPU's dot-product units busy (four rows' eight sums were latency-bound, at
    about half the rate), and each weight quad is loaded and unpacked once for all the rows. */
@@ -646,6 +647,112 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
             memcpy(out, acc[r], width * sizeof(float));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_DOT_SIMD 1
+/* Half a panel (32 columns, four vectors of eight) with AVX2, which has no 4-byte dot product:
+   vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 (saturating, so each
+   pair must fit), vpmaddwd then adds those pairs into int32. 4-bit codes (0..15) times inputs (|x|
+   <= 127): a pair is at most 3,810 and a group's four pairs per column at most 30,480, so the group
+   sums in int16 and widens once. 8-bit codes go as |c| times x with c's sign (vpsignb): a pair is
+   at most 32,258, widened every quad. The same integers as the other paths. */
+static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *quad, int64_t bits, int half,
+                                                              __m256i codes[4], __m256i signs[4]) {
+    if (bits == 8) { /* stored c + 128: flipping the top bit gives c as a signed byte */
+        for (int i = 0; i < 4; i++) {
+            signs[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(quad + 128 * half + 32 * i)),
+                                        _mm256_set1_epi8(-128));
+            codes[i] = _mm256_abs_epi8(signs[i]);
+        }
+    } else { /* 32 bytes hold 8 columns' quads in low nibbles and the 8 columns 16 on in high ones */
+        const __m256i low = _mm256_set1_epi8(15);
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(quad + 64 * half));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(quad + 64 * half + 32));
+        codes[0] = _mm256_and_si256(a, low), codes[1] = _mm256_and_si256(b, low);
+        codes[2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+        codes[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+}
+
+/* One quad's products of a row (its four inputs `four`) into the row's sums (int32 for 8-bit,
+   int16 pairs for 4-bit). */
+static inline __attribute__((always_inline)) void add_quad(const __m256i codes[4], const __m256i signs[4],
+                                                           int64_t bits, const int8_t *four, __m256i sums[4]) {
+    int32_t packed;
+    memcpy(&packed, four, 4);
+    const __m256i xv = _mm256_set1_epi32(packed);
+    for (int i = 0; i < 4; i++) {
+        if (bits == 8)
+            sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                codes[i], _mm256_sign_epi8(xv, signs[i])), _mm256_set1_epi16(1)));
+        else
+            sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(codes[i], xv));
+    }
+}
+
+/* A group's sums of one row into its float accumulators (the chain of the section's comment). */
+static inline __attribute__((always_inline)) void add_group(const __m256i sums[4], int64_t bits, const uint16_t *dg,
+                                                            const uint16_t *mg, float scale, int32_t sum, float *acc) {
+    const __m256 sv = _mm256_set1_ps(scale), xs = _mm256_set1_ps(scale * (float)sum);
+    for (int i = 0; i < 4; i++) {
+        const __m256i dot = bits == 8 ? sums[i] : _mm256_madd_epi16(sums[i], _mm256_set1_epi16(1));
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + 8 * i)));
+        __m256 a = _mm256_load_ps(acc + 8 * i);
+        a = _mm256_fmadd_ps(dv, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(dot)), a);
+        if (mg) a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + 8 * i))), xs, a);
+        _mm256_store_ps(acc + 8 * i, a);
+    }
+}
+
+/* The rows' half panel: one row takes each quad as it is unpacked; more unpack a group's quads
+   once, then go over them two rows at a time (their eight sums stay in registers). */
+static inline __attribute__((always_inline)) void panel_rows_quantized(
+    const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
+    const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const int half, const float *bias,
+    int64_t cols, float *y, int64_t y_stride) {
+    const int64_t quad_bytes = PANEL * bits / 2;
+    __m256i unpacked[QUADS][4], signs[QUADS][4];
+    float acc[ROWS][HALF] __attribute__((aligned(32)));
+    for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]);
+    /* The group after next is fetched ahead: this half reads every other 64 or 128 bytes, which
+       the hardware's prefetch did not follow (8-bit weights from memory went at half the speed).
+       Past the last group it fetches whatever follows: a prefetch never faults. */
+    const int64_t half_bytes = quad_bytes / 2, ahead = 2 * QUADS * quad_bytes;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *dg = d + g * PANEL + HALF * half, *mg = mn ? mn + g * PANEL + HALF * half : 0;
+        const int8_t *xg = xq + g * QGROUP;
+        __m256i first[4], second[4];
+        for (int i = 0; i < 4; i++) first[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int q = 0; q < QUADS; q++) {
+            const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes;
+            for (int64_t line = 0; line < half_bytes; line += 64)
+                _mm_prefetch((const char *)(quad + half_bytes * half + ahead + line), _MM_HINT_T0);
+            unpack_quad(quad, bits, half, unpacked[q], signs[q]);
+            if (rows == 1) add_quad(unpacked[q], signs[q], bits, xg + 4 * q, first);
+        }
+        if (rows == 1) add_group(first, bits, dg, mg, dx[g], xsum[g], acc[0]);
+        for (int r = 0; rows > 1 && r < rows; r += 2) {
+            const int pair = r + 1 < rows;
+            for (int i = 0; i < 4; i++) first[i] = second[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int q = 0; q < QUADS; q++) {
+                add_quad(unpacked[q], signs[q], bits, xg + r * k_len + 4 * q, first);
+                if (pair) add_quad(unpacked[q], signs[q], bits, xg + (r + 1) * k_len + 4 * q, second);
+            }
+            add_group(first, bits, dg, mg, dx[r * groups + g], xsum[r * groups + g], acc[r]);
+            if (pair) add_group(second, bits, dg, mg, dx[(r + 1) * groups + g], xsum[(r + 1) * groups + g], acc[r + 1]);
+        }
+    }
+    const int64_t width = cols - HALF * half < HALF ? cols - HALF * half : HALF;
+    for (int r = 0; r < rows; r++) {
+        float *out = y + r * y_stride + HALF * half;
+        if (bias)
+#pragma omp simd
+            for (int64_t j = 0; j < width; j++) out[j] = acc[r][j] + bias[HALF * half + j];
+        else
+            memcpy(out, acc[r], width * sizeof(float));
+    }
+}
 #else
 #define QUANT_DOT_SIMD 0
 static inline void panel_rows_quantized(
@@ -697,6 +804,7 @@ void quantized_columns(const uint8_t *codes, const uint16_t *scales, const uint1
     }
 }
 
+/* Which path the quantized sums take: 2 AVX-512 VNNI, 1 AVX2, 0 plain C. */
 int64_t quant_dot_simd(void) { return QUANT_DOT_SIMD; }
 
 /* y [M, N] = x [M, K] @ w (+ bias [N]), w quantized to `bits` (8 or 4) as above; mins and bias may

@@ -755,30 +755,54 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
 }
 #else
 #define QUANT_DOT_SIMD 0
+/* Plain C the compiler can vectorize (any CPU's SIMD, ARM's NEON included). The codes stay in
+   their bytes: element n of a quad's half holds column n / 4's code for k = 4 quad + n % 4 (4-bit:
+   the low nibbles columns 0-15 of the half, the high ones 16-31), so each byte times the input of
+   its k adds into a sum of its own, and a group's four sums per column are added at its end. */
 static inline void panel_rows_quantized(
     const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
     const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const int half, const float *bias,
     int64_t cols, float *y, int64_t y_stride) {
     const int64_t quad_bytes = PANEL * bits / 2;
-    for (int r = 0; r < rows; r++) {
-        float acc[HALF] = {0};
-        for (int64_t g = 0; g < groups; g++) {
-            const int32_t sum = xsum[r * groups + g];
-            const float scale = dx[r * groups + g], xs = scale * (float)sum;
+    float acc[ROWS][HALF], dg[HALF], mg[HALF];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < HALF; i++) acc[r][i] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int i = 0; i < HALF; i++) {
+            dg[i] = half_to_float(d[g * PANEL + HALF * half + i]);
+            mg[i] = mn ? half_to_float(mn[g * PANEL + HALF * half + i]) : 0.0f;
+        }
+        for (int r = 0; r < rows; r++) {
+            const int8_t *x = xq + r * k_len + g * QGROUP;
+            int32_t sums[4 * HALF] = {0}; /* [4 column + k % 4] */
+            for (int q = 0; q < QUADS; q++) {
+                const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes + quad_bytes / 2 * half;
+                int32_t xs4[4 * HALF / 2];
+                for (int n = 0; n < 4 * HALF / 2; n++) xs4[n] = x[4 * q + n % 4];
+                if (bits == 8) {
+#pragma omp simd
+                    for (int n = 0; n < 2 * HALF; n++) sums[n] += ((int32_t)quad[n] - 128) * xs4[n];
+#pragma omp simd
+                    for (int n = 0; n < 2 * HALF; n++) sums[2 * HALF + n] += ((int32_t)quad[2 * HALF + n] - 128) * xs4[n];
+                } else {
+#pragma omp simd
+                    for (int n = 0; n < 2 * HALF; n++) {
+                        sums[n] += (int32_t)(quad[n] & 15) * xs4[n];
+                        sums[2 * HALF + n] += (int32_t)(quad[n] >> 4) * xs4[n];
+                    }
+                }
+            }
+            const float scale = dx[r * groups + g], xs = scale * (float)xsum[r * groups + g];
             for (int i = 0; i < HALF; i++) {
-                const int j = HALF * half + i;
-                int32_t products = 0;
-                for (int q = 0; q < QUADS; q++)
-                    for (int b = 0; b < 4; b++)
-                        products += quad_code(codes + (g * QUADS + q) * quad_bytes, bits, j, b)
-                               * xq[r * k_len + g * QGROUP + 4 * q + b];
-                acc[i] = fmaf(half_to_float(d[g * PANEL + j]), scale * (float)products, acc[i]);
-                if (mn) acc[i] = fmaf(half_to_float(mn[g * PANEL + j]), xs, acc[i]);
+                const int32_t dot = sums[4 * i] + sums[4 * i + 1] + sums[4 * i + 2] + sums[4 * i + 3];
+                const float a = fmaf(dg[i], scale * (float)dot, acc[r][i]);
+                acc[r][i] = mn ? fmaf(mg[i], xs, a) : a;
             }
         }
-        for (int64_t i = 0; i < HALF && HALF * half + i < cols; i++)
-            y[r * y_stride + HALF * half + i] = bias ? acc[i] + bias[HALF * half + i] : acc[i];
     }
+    for (int r = 0; r < rows; r++)
+        for (int64_t i = 0; i < HALF && HALF * half + i < cols; i++)
+            y[r * y_stride + HALF * half + i] = bias ? acc[r][i] + bias[HALF * half + i] : acc[r][i];
 }
 #endif
 

@@ -44,7 +44,13 @@ from specdec.addresses import is_loopback
 from specdec.config import ServiceConfig
 from specdec_app.embedded import GrpcSchedulerFactory
 from specdec_app.ray_cluster import COORDINATOR_RESOURCE, NAMESPACE, advertised, get_while_up, ray_is_up
-from specdec_app.ray_replicas import RayReplicaLauncher, start_replica, stop_replica, wait_replica
+from specdec_app.ray_replicas import (
+    RayReplicaLauncher,
+    remove_leftover_groups,
+    start_replica,
+    stop_replica,
+    wait_replica,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +182,7 @@ class Deployment:
     http_port: int | None  # the OpenAI-compatible HTTP API's port on the coordinator's node; None: off
     startup_seconds: float = 0.0
     info: dict = field(default_factory=dict)
+    name: str = ""  # ServiceConfig.ray.name: its replicas' placement groups are named after it
 
     @property
     def target(self) -> ray.actor.ActorHandle:
@@ -226,6 +233,10 @@ class Deployment:
             ray.kill(self.coordinator, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        if self.name:  # the replicas autoscaling added and did not stop (their actors died with it)
+            removed = remove_leftover_groups(self.name)
+            if removed:
+                log.warning("removed placement groups left behind: %s", ", ".join(removed))
 
 
 def _coordinator_placement(cluster: dict) -> dict:
@@ -304,7 +315,7 @@ def _launch_once(config: ServiceConfig, *, target_gpus: float | None, draft_gpus
     return Deployment(coordinator=coordinator, replicas=replicas, address=coord_info["address"],
                       port=coord_info["port"], http_port=coord_info["http_port"],
                       startup_seconds=time.perf_counter() - t0,
-                      info={"target": replicas[0].info, "coordinator": coord_info})
+                      info={"target": replicas[0].info, "coordinator": coord_info}, name=config.ray.name)
 
 
 def _explain_start_error(e: BaseException) -> str:

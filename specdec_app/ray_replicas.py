@@ -12,10 +12,12 @@ cluster) add a node. Replica 0's actors keep the names `<name>-target` / `<name>
 from __future__ import annotations
 
 import logging
+import re
+import threading
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specdec.config import ServiceConfig
@@ -123,10 +125,28 @@ def stop_replica(replica: ReplicaActors) -> None:
             pass
 
 
+def remove_leftover_groups(name: str) -> list[str]:
+    """Remove the placement groups of deployment `name`'s replicas that are still there, by name:
+    a placement group outlives the coordinator actor that made it (it lives as long as the Ray
+    job), so replicas the coordinator added and could not stop would keep their resources.
+    Returns the names removed."""
+    pattern = re.compile(re.escape(actor_name(name, "replica", 0)) + r"(-\d+)?")
+    removed = []
+    for group_id, group in placement_group_table().items():
+        if group["state"] != "REMOVED" and pattern.fullmatch(group["name"] or ""):
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_id)))
+                removed.append(group["name"])
+            except Exception:  # noqa: BLE001 - removed meanwhile
+                pass
+    return removed
+
+
 class RayReplicaLauncher:
     """Adds and removes replicas for the coordinator's autoscaler (coordinator.replicas.router.ReplicaLauncher),
     from inside the coordinator actor. `make_factory(spec)` turns a replica's spec into its
-    scheduler factory."""
+    scheduler factory. A replica counts as started from the moment its actors are asked for, so
+    `stop_all` also stops one still loading its models, and no replica starts after it."""
 
     def __init__(self, config: ServiceConfig, replicas: list[dict], make_factory, timeout_s: float | None = None):
         self.config = config
@@ -134,6 +154,8 @@ class RayReplicaLauncher:
         self.timeout_s = config.ray.worker_wait if timeout_s is None else timeout_s
         self.started: dict[int, ReplicaActors] = {}
         self.specs = {spec["index"]: spec for spec in replicas}
+        self._lock = threading.Lock()  # started and _stopped, between add's thread and stop_all
+        self._stopped = False
 
     def add(self, index: int):
         config = self.config
@@ -141,13 +163,17 @@ class RayReplicaLauncher:
         shared = None
         if config.draft.kind == "model" and owner != index:
             shared = self.started.get(owner) or self._handles_of(self.specs.get(owner))
-        replica = start_replica(config, index, ray.cluster_resources(), shared_draft=shared)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"replica {index} not added: the deployment is stopping")
+            replica = self.started[index] = start_replica(config, index, ray.cluster_resources(), shared_draft=shared)
         try:
             wait_replica(replica, self.timeout_s, shared)
         except BaseException:
+            with self._lock:
+                self.started.pop(index, None)
             stop_replica(replica)
             raise
-        self.started[index] = replica
         self.specs[index] = replica.spec()
         return self.make_factory(replica.spec())
 
@@ -178,5 +204,8 @@ class RayReplicaLauncher:
                              spec.get("draft_name"), spec.get("draft_address"), group)
 
     def stop_all(self) -> None:
-        for index in list(self.started):
+        with self._lock:
+            self._stopped = True
+            indices = list(self.started)
+        for index in indices:
             self.remove(index)

@@ -9,6 +9,9 @@ its own.
   replica serves again once Ray restarted it.
 - Autoscaling: one replica, max two; requests pile up, the coordinator adds a replica (its
   placement group takes the second node); when the load stops it drains and removes it.
+- No test leaves a placement group behind (a leftover one holds a node's resources and the next
+  test's replica waits for them forever): stopping while a replica is being added stops it too,
+  and a deployment's kill removes whatever placement groups of its replicas are left.
 """
 from __future__ import annotations
 
@@ -59,6 +62,20 @@ def cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_placement_group_outlives_its_test():
+    """After each test every placement group is removed (removal is asynchronous: waited for)."""
+    yield
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + 30
+    while live := sorted(g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"):
+        assert time.monotonic() < deadline, f"placement groups left behind: {live}"
+        time.sleep(0.2)
 
 
 def config_for(models, name: str, **settings) -> ServiceConfig:
@@ -208,3 +225,64 @@ def test_two_replicas_share_one_draft_worker_and_stay_exact(cluster, models):
         assert all(r["rounds"] > 0 for r in snapshot(deployment)["replicas"].values())
     finally:
         deployment.drain_and_stop(grace_s=1, timeout_s=30)
+
+
+def test_stopping_while_a_replica_loads_stops_it_and_no_replica_starts_after(models, monkeypatch):
+    """The autoscaler adds a replica on a thread of its own; the deployment stops while that replica
+    loads its models. stop_all stops it (its placement group would otherwise outlive the
+    coordinator: Ray keeps placement groups for the life of the job), and a later add starts
+    nothing. Ray itself is faked: gates, not timing, order the two threads."""
+    from specdec_app import ray_replicas
+
+    asked, stopped, killed = threading.Event(), [], threading.Event()
+
+    def start(config, index, cluster, shared_draft=None):
+        asked.set()
+        return ray_replicas.ReplicaActors(index, target=f"target-{index}", target_name=f"target-{index}")
+
+    def wait(replica, timeout_s, shared=None):  # loading, until its actors are killed
+        assert killed.wait(timeout=120), "the replica being added was never stopped"
+        raise RuntimeError("its actors were killed")
+
+    def stop(replica):
+        stopped.append(replica.index)
+        killed.set()
+
+    monkeypatch.setattr(ray_replicas, "start_replica", start)
+    monkeypatch.setattr(ray_replicas, "wait_replica", wait)
+    monkeypatch.setattr(ray_replicas, "stop_replica", stop)
+    monkeypatch.setattr(ray_replicas.ray, "cluster_resources", dict)
+    launcher = ray_replicas.RayReplicaLauncher(config_for(models, "specdec-launcher", max_replicas=3), [],
+                                               make_factory=lambda spec: spec)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        adding = pool.submit(launcher.add, 1)
+        try:
+            assert asked.wait(timeout=120)
+            launcher.stop_all()
+            assert stopped == [1]  # by stop_all, while add still waited
+        finally:
+            killed.set()  # (a failed assertion must not leave the thread waiting)
+        with pytest.raises(RuntimeError, match="killed"):
+            adding.result(timeout=120)
+    assert launcher.started == {}
+    asked.clear()
+    with pytest.raises(RuntimeError, match="stopping"):
+        launcher.add(2)
+    assert not asked.is_set()
+
+
+def test_a_deployments_leftover_placement_groups_are_removed_by_name(cluster):
+    """What Deployment.kill sweeps after a coordinator that died mid-add: placement groups named
+    after the deployment's replicas, with no actor. Those of this deployment go; another's stay."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from specdec_app.ray_replicas import remove_leftover_groups
+
+    names = ["specdec-sweep-replica", "specdec-sweep-replica-4", "specdec-sweepy-replica-1", "other-replica"]
+    groups = {name: placement_group([{"CPU": 0.01}], name=name) for name in names}
+    try:
+        assert sorted(remove_leftover_groups("specdec-sweep")) == ["specdec-sweep-replica", "specdec-sweep-replica-4"]
+        assert remove_leftover_groups("specdec-sweep") == []
+    finally:
+        for name in ("specdec-sweepy-replica-1", "other-replica"):
+            remove_placement_group(groups[name])

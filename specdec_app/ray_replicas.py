@@ -161,8 +161,8 @@ class RayReplicaLauncher:
         config = self.config
         owner = config.replicas.draft_of(index)
         shared = None
-        if config.draft.kind == "model" and owner != index:
-            shared = self.started.get(owner) or self._handles_of(self.specs.get(owner))
+        if config.draft.kind == "model" and owner != index and owner in self.specs:  # (specs: the ready ones)
+            shared = self.started.get(owner) or self._handles_of(self.specs[owner])
         with self._lock:
             if self._stopped:
                 raise RuntimeError(f"replica {index} not added: the deployment is stopping")

@@ -777,18 +777,19 @@ static inline void panel_rows_quantized(
             int32_t sums[4 * HALF] = {0}; /* [4 column + k % 4] */
             for (int q = 0; q < QUADS; q++) {
                 const uint8_t *quad = codes + (g * QUADS + q) * quad_bytes + quad_bytes / 2 * half;
-                int32_t xs4[4 * HALF / 2];
-                for (int n = 0; n < 4 * HALF / 2; n++) xs4[n] = x[4 * q + n % 4];
-                if (bits == 8) {
-#pragma omp simd
-                    for (int n = 0; n < 2 * HALF; n++) sums[n] += ((int32_t)quad[n] - 128) * xs4[n];
-#pragma omp simd
-                    for (int n = 0; n < 2 * HALF; n++) sums[2 * HALF + n] += ((int32_t)quad[2 * HALF + n] - 128) * xs4[n];
-                } else {
+                int32_t inputs[2 * HALF]; /* byte n's input: x[4 quad + n % 4] */
+                for (int n = 0; n < 2 * HALF; n++) inputs[n] = x[4 * q + n % 4];
+                if (bits == 8) { /* 128 bytes, stored c + 128 */
 #pragma omp simd
                     for (int n = 0; n < 2 * HALF; n++) {
-                        sums[n] += (int32_t)(quad[n] & 15) * xs4[n];
-                        sums[2 * HALF + n] += (int32_t)(quad[n] >> 4) * xs4[n];
+                        sums[n] += ((int32_t)quad[n] - 128) * inputs[n];
+                        sums[2 * HALF + n] += ((int32_t)quad[2 * HALF + n] - 128) * inputs[n];
+                    }
+                } else { /* 64 bytes, two codes each */
+#pragma omp simd
+                    for (int n = 0; n < 2 * HALF; n++) {
+                        sums[n] += (int32_t)(quad[n] & 15) * inputs[n];
+                        sums[2 * HALF + n] += (int32_t)(quad[n] >> 4) * inputs[n];
                     }
                 }
             }

@@ -568,6 +568,20 @@ static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, 
    may be NULL), + bias (the panel's; may be NULL), in the chain above. */
 #define HALF (PANEL / 2)
 #define ROWS 8
+/* The half panel's rows, acc[r] + bias, into y (columns past `cols` dropped). */
+static inline void store_half(const float (*acc)[HALF], int rows, int half, const float *bias, int64_t cols,
+                              float *y, int64_t y_stride) {
+    const int64_t width = cols - HALF * half < HALF ? cols - HALF * half : HALF;
+    for (int r = 0; r < rows; r++) {
+        float *out = y + r * y_stride + HALF * half;
+        if (bias)
+#pragma omp simd
+            for (int64_t j = 0; j < width; j++) out[j] = acc[r][j] + bias[HALF * half + j];
+        else
+            memcpy(out, acc[r], width * sizeof(float));
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QUANT_DOT_SIMD 2
 /* Half a panel (32 columns, two vectors) for up to eight rows at a time: sixteen independent int32
@@ -637,15 +651,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
     if (rows <= 4)
         for (int r = 0; r < rows; r++)
             _mm512_store_ps(acc[r], held[r][0]), _mm512_store_ps(acc[r] + 16, held[r][1]);
-    const int64_t width = cols - HALF * half < HALF ? cols - HALF * half : HALF;
-    for (int r = 0; r < rows; r++) {
-        float *out = y + r * y_stride + HALF * half;
-        if (bias)
-#pragma omp simd
-            for (int64_t j = 0; j < width; j++) out[j] = acc[r][j] + bias[HALF * half + j];
-        else
-            memcpy(out, acc[r], width * sizeof(float));
-    }
+    store_half(acc, rows, half, bias, cols, y, y_stride);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_DOT_SIMD 1
@@ -710,7 +716,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
     const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const int half, const float *bias,
     int64_t cols, float *y, int64_t y_stride) {
     const int64_t quad_bytes = PANEL * bits / 2;
-    __m256i unpacked[QUADS][4], signs[QUADS][4];
+    __m256i unpacked[QUADS][4], signs[QUADS][4]; /* signs: written and read for 8-bit codes only */
     float acc[ROWS][HALF] __attribute__((aligned(32)));
     for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]);
     /* The group after next is fetched ahead: this half reads every other 64 or 128 bytes, which
@@ -743,15 +749,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
             if (pair) add_group(second, bits, dg, mg, dx[(r + 1) * groups + g], xsum[(r + 1) * groups + g], acc[r + 1]);
         }
     }
-    const int64_t width = cols - HALF * half < HALF ? cols - HALF * half : HALF;
-    for (int r = 0; r < rows; r++) {
-        float *out = y + r * y_stride + HALF * half;
-        if (bias)
-#pragma omp simd
-            for (int64_t j = 0; j < width; j++) out[j] = acc[r][j] + bias[HALF * half + j];
-        else
-            memcpy(out, acc[r], width * sizeof(float));
-    }
+    store_half(acc, rows, half, bias, cols, y, y_stride);
 }
 #else
 #define QUANT_DOT_SIMD 0
@@ -801,9 +799,7 @@ static inline void panel_rows_quantized(
             }
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int64_t i = 0; i < HALF && HALF * half + i < cols; i++)
-            y[r * y_stride + HALF * half + i] = bias ? acc[r][i] + bias[HALF * half + i] : acc[r][i];
+    store_half(acc, rows, half, bias, cols, y, y_stride);
 }
 #endif
 

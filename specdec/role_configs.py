@@ -83,6 +83,8 @@ class WorkerConfig:
             "0 runs every pass eagerly")
 
     role = "worker"  # names the fields in error messages
+    # What weights=auto makes of a float checkpoint where the C kernels run (model.decoder).
+    auto_float_format = "fp"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
@@ -135,8 +137,16 @@ class DraftConfig(WorkerConfig):
     ngram_max: int = setting(4, "longest suffix the n-gram drafter looks up")
     ngram_min: int = setting(1, "shortest suffix the n-gram drafter looks up")
     ngram_window: int = setting(2048, "most recent tokens the n-gram drafter searches")
+    weights: str = setting(
+        "auto", "how weight matrices are held and multiplied: fp, q8 or q4 (as the target's), or auto: a GGUF "
+                "file's own quantization on CPU, a float checkpoint as q8 on CPU (float32, C kernels), floats "
+                "otherwise")
 
     role = "draft"
+    # The draft's numbers decide only which tokens are proposed, never which are output, and a draft
+    # step right after a target pass reads its weights from memory: q8 is a quarter of the bytes
+    # (docs/bench-2026-11-27-draft-step.md).
+    auto_float_format = "q8"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -147,6 +147,12 @@ def cheap_drafting_policy():
     return fixed_cost_policy((1.0, 0.05, 0.0, 0.02, 0.05, 0.0, 0.001, 0.0))
 
 
+def self_draft_weights(drafter: str | None) -> dict:
+    """LocalEngine settings for `drafter`: the target drafting for itself ("self") keeps its floats
+    (a draft's default is q8 on CPU), so it proposes the target's own tokens, always accepted."""
+    return {"draft_weights": "fp"} if drafter == "self" else {}
+
+
 def use_policy(engine, policy: str):
     """"fixed": always the cap; "jumping": JumpingK; "adaptive": the real policy, drafting cheap."""
     if policy == "jumping":

@@ -5,7 +5,15 @@ import pytest
 
 from specdec import LocalEngine, SamplingParams
 
-from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint, hf_greedy, perturbed_copy, use_policy
+from checkpoints import (
+    CONFIGS,
+    FAMILY_CONFIGS,
+    build_checkpoint,
+    hf_greedy,
+    perturbed_copy,
+    self_draft_weights,
+    use_policy,
+)
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150], list(range(40, 72))]
 NEW_TOKENS = 24
@@ -36,7 +44,7 @@ def drafts(target_dir, tmp_path_factory):
 @pytest.mark.parametrize("k,policy", [(1, "fixed"), (4, "fixed"), (4, "jumping"), (4, "adaptive")])
 def test_greedy_matches_target(target_dir, references, drafts, drafter, k, policy):
     engine = LocalEngine(str(target_dir), draft=drafts[drafter], num_speculative_tokens=k, kv_block_size=8,
-                         adaptive=False)
+                         adaptive=False, **self_draft_weights(drafter))
     use_policy(engine, policy) if drafter != "none" else None
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for out, ref in zip(outputs, references):

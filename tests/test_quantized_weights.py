@@ -21,6 +21,7 @@ from specdec.model.cpu_kernels import KernelArgumentError
 from specdec.model.quantized import GROUP, QuantizedMatrix, quantize, stack_rows
 
 from checkpoints import build_checkpoint, perturbed_copy
+from gguf_files import write_gguf
 
 kernels = kernels_module.load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler on this machine")
@@ -194,6 +195,23 @@ def test_sampled_speculation_follows_that_formats_distribution(tmp_path_factory,
                                                    for i in range(samples)])
     assert chi_square_pvalue([tuple(o.token_ids) for o in outputs], dist) > 1e-3
     assert sum(o.stats.proposed_tokens for o in outputs) > samples // 10  # speculation really happened
+
+
+@needs_kernels
+def test_a_float_draft_runs_as_q8_by_default_and_the_target_keeps_its_floats(pair, tmp_path):
+    """A draft's numbers choose what is proposed, never what is output, so weights=auto holds a
+    float draft as q8 where the kernels run (a quarter of the bytes a draft step reads); the target
+    keeps its floats (its output is the float model's), a GGUF draft its file's codes."""
+    def formats(engine) -> list:
+        models = engine.target_worker.runner.model, engine.draft_worker.drafter.runner.model
+        return [m.weights.lm_head.panels.bits if m.quantized else "fp" for m in models]
+
+    target, draft = map(str, pair)
+    q4_draft = write_gguf(pair[1], tmp_path / "draft.gguf", tmp_path / "reference", "Q4_1")
+    assert formats(LocalEngine(target, draft=draft)) == ["fp", 8]
+    assert formats(LocalEngine(target, draft=str(q4_draft))) == ["fp", 4]
+    assert formats(LocalEngine(target, draft=draft, draft_weights="fp")) == ["fp", "fp"]
+    assert formats(LocalEngine(target, draft=draft, cpu_kernels=False)) == ["fp", "fp"]  # (torch's ops)
 
 
 @needs_kernels

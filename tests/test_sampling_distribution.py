@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 
 from specdec import LocalEngine, SamplingParams
 
-from checkpoints import build_checkpoint, perturbed_copy, predraft_always, use_policy
+from checkpoints import build_checkpoint, perturbed_copy, predraft_always, self_draft_weights, use_policy
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -107,7 +107,7 @@ def test_sampled_sequences_follow_target_distribution(models, drafter, policy, p
     dist = exact_distribution(models["target"], params)
     draft = {"none": None, "ngram": "ngram", "self": str(models["target"])}.get(drafter, str(models.get(drafter)))
     engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=3, max_batch_size=1000,
-                         adaptive=False)
+                         adaptive=False, **self_draft_weights(drafter))
     if draft is not None:
         use_policy(engine, policy)
     sp = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, seed=1000 + i, **params) for i in range(SAMPLES)]
@@ -137,7 +137,8 @@ def test_overlapped_rounds_follow_target_distribution(models, drafter, params_na
     draft = str(models["target"]) if drafter == "self" else str(models[drafter])
     kept = []
     engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=1, max_batch_size=1000,
-                         adaptive=False, overlap=True, on_round=lambda report: kept.append(report.predraft_kept))
+                         adaptive=False, overlap=True, **self_draft_weights(drafter),
+                         on_round=lambda report: kept.append(report.predraft_kept))
     predraft_always(engine.scheduler)
     sp = [SamplingParams(max_new_tokens=new, ignore_eos=True, seed=5000 + i, **params) for i in range(SAMPLES)]
     samples = [tuple(o.token_ids) for o in engine.generate([PROMPT] * SAMPLES, sp)]
@@ -158,7 +159,7 @@ def tree_samples(models, drafter: str, params: dict, seed: int, prompt: list[int
     draft = {"self": str(models["target"]), "ngram": "ngram"}.get(drafter) or str(models[drafter])
     trees = []
     engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=2, max_batch_size=1000,
-                         adaptive=False, tree_branches=3, tree_side_depth=side_depth,
+                         adaptive=False, tree_branches=3, tree_side_depth=side_depth, **self_draft_weights(drafter),
                          on_round=lambda report: trees.extend(u.tree_nodes for u in report.updates if u.tree_nodes))
     sp = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, seed=seed + i, **params) for i in range(SAMPLES)]
     outputs = engine.generate([prompt] * SAMPLES, sp)

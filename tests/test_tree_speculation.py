@@ -11,7 +11,7 @@ from specdec import LocalEngine, SamplingParams
 from specdec.round_types import DraftTask, VerifyTask
 from target_worker.worker import TargetWorker
 
-from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy, use_policy
+from checkpoints import CONFIGS, build_checkpoint, hf_greedy, perturbed_copy, self_draft_weights, use_policy
 
 PROMPTS = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], [150], list(range(40, 72))]
 NEW_TOKENS = 20
@@ -55,7 +55,8 @@ def assert_caches_empty(engine: LocalEngine) -> None:
 @pytest.mark.parametrize("policy,side_depth", [("fixed", 0), ("jumping", 0), ("fixed", 1)])
 def test_greedy_trees_give_the_targets_tokens(models, references, drafter, policy, side_depth):
     engine = use_policy(LocalEngine(models["target"], draft=models[drafter], num_speculative_tokens=3,
-                                    kv_block_size=8, adaptive=False, tree_branches=3, tree_side_depth=side_depth),
+                                    kv_block_size=8, adaptive=False, tree_branches=3, tree_side_depth=side_depth,
+                                    **self_draft_weights(drafter)),
                         policy)
     trees = tree_rounds(engine)
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))

@@ -27,7 +27,7 @@ from specdec.model.batch import ForwardBatch
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_kernels import load_cpu_kernels
 from specdec.model.kernel_forward import kernel_forward, kernel_forward_fits
-from specdec.model.quantized import CODE_BITS
+from specdec.model.quantized import CODE_BITS, QuantizedMatrix
 from specdec.model.rope import RotaryTable
 from specdec.model.source import resolve_model_source
 from specdec.model.weights import ModelWeights, build_weights
@@ -173,7 +173,7 @@ class Model:
 
 def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float32",
                packed_weights: bool = True, cpu_kernels: bool = True, weights: str = "auto",
-               kv_cache_dtype: str = "auto") -> Model:
+               kv_cache_dtype: str = "auto", auto_float_format: str = "fp") -> Model:
     """The model a spec names (checkpoint directory, .gguf file or Hub id: specdec.model.source) on
     `device` in `dtype`.
     packed_weights: on CPU also keep oneDNN-packed weights for multi-row products (model.linear).
@@ -182,6 +182,8 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     CPU through torch's ops, as a GPU would.
     weights: fp, q8, q4 or auto (model.quantized): codes need the C kernels; auto keeps a GGUF's
     quantization where they run, and dequantizes it to `dtype` elsewhere.
+    auto_float_format: what auto makes of a float checkpoint where the C kernels run: fp (keep its
+    floats: a target's output is then the float model's) or q8 (a draft: role_configs.DraftConfig).
     kv_cache_dtype: auto (`dtype`), float32 or float16; on CPU a float32 model may keep a float16
     cache (half the memory, and the bytes attention reads; rounded to nearest on the way in)."""
     torch_dtype = resolve_dtype(dtype)
@@ -190,6 +192,8 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
         raise ValueError("on CPU specdec runs float32 only; use bfloat16/float16 on a GPU")
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unsupported weights {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if auto_float_format not in ("fp", *CODE_BITS):
+        raise ValueError(f"unsupported auto_float_format {auto_float_format!r}; choose fp, q8 or q4")
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
     kernels = load_cpu_kernels() if cpu_kernels and on_cpu and torch_dtype == torch.float32 else None
@@ -199,6 +203,8 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     kv_dtype = kv_cache_dtype_for(kv_cache_dtype, torch_dtype, on_cpu)
     weight_format = weights if kernels is not None else "fp"
     raw = source.tensors(torch_dtype, device, keep_quantized=weight_format != "fp")
+    if weight_format == "auto" and not any(isinstance(t, QuantizedMatrix) for t in raw.values()):
+        weight_format = auto_float_format
     built = build_weights(config, raw, device, torch_dtype, packed_weights, kernels, weight_format)
     return Model(config, built, device, torch_dtype, kernels, kv_dtype)
 

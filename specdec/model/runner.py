@@ -47,7 +47,8 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         return ModelRunner(load_model(spec, config.device, config.resolved_dtype, config.packed_weights,
-                                      config.cpu_kernels, config.weights, config.kv_cache_dtype), config)
+                                      config.cpu_kernels, config.weights, config.kv_cache_dtype,
+                                      config.auto_float_format), config)
 
     @property
     def vocab_size(self) -> int:

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.config import NGRAM, SHIPPED_DRAFT, SHIPPED_TARGET
+from specdec.config import NGRAM, SHIPPED_DRAFT, SHIPPED_TARGET, ServiceConfig
 from specdec.tokenizer import load_tokenizer
 from specdec_app.bench.engine_runner import EngineSystem, kv_blocks_for
 from specdec_app.bench.prompts import load_prompts
 from specdec_app.bench.results import Mode
+from specdec_app.flags import add_settings, given_settings
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "bench-models"
 DRAFT_NOISE = (0.6, 1.2, 2.4)  # relative noise added to the shipped draft's weights (acceptance falls)
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where noisy drafts are kept")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 12 tokens, batch 1 greedy")
+    add_settings(parser, ["draft_weights"])
 
 
 def noisy_copy(source: str, noise: float, cache_dir: Path, seed: int = 1) -> str:
@@ -95,9 +97,11 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
     prompts, _ = load_prompts(prompts_file, args.num_prompts, load_tokenizer(target))
     blocks = kv_blocks_for(prompts, args.max_new_tokens, k, max(batches))
     kind = "spec-ngram" if draft == NGRAM else "spec-draft"
+    weights = ("auto", args.draft_weights)
     systems = {"plain": EngineSystem("engine", target, None, k, blocks, max(batches)),
-               "adaptive": EngineSystem(kind, target, draft, k, blocks, max(batches), adaptive=True),
-               "fixed": EngineSystem(f"{kind}-fixed", target, draft, k, blocks, max(batches), adaptive=False)}
+               "adaptive": EngineSystem(kind, target, draft, k, blocks, max(batches), adaptive=True, weights=weights),
+               "fixed": EngineSystem(f"{kind}-fixed", target, draft, k, blocks, max(batches), adaptive=False,
+                                     weights=weights)}
     rows = []
     for mode in modes:
         for batch in batches:
@@ -155,7 +159,8 @@ def run(args) -> int:
         batches = [int(b) for b in args.batch_sizes.split(",")]
         modes = [Mode("greedy" if float(t) == 0 else f"T={float(t):g}", float(t)) for t in args.temperatures.split(",")]
         family = pairs(args)
-    except ValueError as e:
+        args.draft_weights = ServiceConfig.from_settings(**given_settings(args, ["draft_weights"])).draft.weights
+    except ValueError as e:  # (a bad setting: ConfigError)
         print(f"specdec bench-policy: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
@@ -165,8 +170,8 @@ def run(args) -> int:
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     log(f"specdec bench-policy: {len(family)} pairs, batch sizes {batches}, {[m.name for m in modes]}, "
-        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens, K_max {args.num_speculative_tokens}; "
-        f"load average {load}")
+        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens, K_max {args.num_speculative_tokens}, "
+        f"draft weights {args.draft_weights}; load average {load}")
     start, rows = time.perf_counter(), []
     for name, target, draft in family:
         rows += measure_pair(name, target, draft, args.prompts, args, modes, batches, log)

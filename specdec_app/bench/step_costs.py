@@ -7,7 +7,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from specdec.config import WorkerConfig
+from specdec.config import DraftConfig, WorkerConfig
 from specdec.model.runner import ModelRunner
 
 
@@ -48,7 +48,7 @@ def measure_step_costs(target: str, draft: str | None, contexts_by_set: dict[str
     formula assumes to be 1. weights: the target's and the draft's weight formats.
     """
     target_runner = ModelRunner.load(WorkerConfig(kv_cache_blocks=kv_cache_blocks, weights=weights[0]), target)
-    draft_config = WorkerConfig(kv_cache_blocks=kv_cache_blocks, weights=weights[1])
+    draft_config = DraftConfig(kv_cache_blocks=kv_cache_blocks, weights=weights[1])
     draft_runner = ModelRunner.load(draft_config, draft) if draft else None
     by_set: dict = {}
     for name, contexts in contexts_by_set.items():

@@ -8,6 +8,8 @@ from coordinator.rounds.scheduler import Scheduler
 from draft_worker.ngram_drafter import NgramDrafter
 from specdec import LocalEngine
 
+from checkpoints import self_draft_weights
+
 VOCAB = 96
 MAX_POS = 128
 PROMPTS = [[5, 17, 42, 8, 3], [60, 61, 62], [7] * 9, [1, 2, 3, 1, 2, 3, 1, 2]]
@@ -27,7 +29,8 @@ def _draft_arg(draft, path):
 def _engine(path, draft=None, **kw) -> LocalEngine:
     """K fixed unless a test asks otherwise: these tests pin the round mechanics, not the policy
     (tests/test_speculation_policy.py does that)."""
-    return LocalEngine(str(path), draft=_draft_arg(draft, path), **{"adaptive": False, **kw})
+    return LocalEngine(str(path), draft=_draft_arg(draft, path),
+                       **{"adaptive": False, **self_draft_weights(draft), **kw})
 
 
 def _assert_caches_empty(engine: LocalEngine):

@@ -294,13 +294,17 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
     target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
     out = tmp_path / "policy.json"
     rc = main(["bench-policy", "--only-pairs", "--pair", f"{target}:{draft}", "--pair", f"{target}:ngram",
-               "--prompts", str(prompts), "--quick", "-k", "2", "--threads", "1", "--json", str(out)])
+               "--prompts", str(prompts), "--quick", "-k", "2", "--threads", "1", "--json", str(out),
+               "--draft-weights", "fp"])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "adaptive/best" in printed and "worst adaptive/best" in printed
+    assert json.loads(out.read_text())["draft_weights"] == "fp"
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(1, "greedy")] * 2
     for r in rows:
         assert set(r["fixed"]) == {"1", "2"} and r["best"] in ("plain", "K=1", "K=2")
         assert r["vs_best"] == pytest.approx(r["adaptive"] / r["best_rate"])
     assert main(["bench-policy", "--pair", "no-colon"]) == 2
+    assert main(["bench-policy", "--draft-weights", "q3"]) == 2
+    assert "draft.weights must be one of auto, fp, q8, q4" in capsys.readouterr().err

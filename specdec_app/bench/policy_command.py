@@ -158,8 +158,8 @@ def run(args) -> int:
     try:
         batches = [int(b) for b in args.batch_sizes.split(",")]
         modes = [Mode("greedy" if float(t) == 0 else f"T={float(t):g}", float(t)) for t in args.temperatures.split(",")]
-        family = pairs(args)
         args.draft_weights = ServiceConfig.from_settings(**given_settings(args, ["draft_weights"])).draft.weights
+        family = pairs(args)
     except ValueError as e:  # (a bad setting: ConfigError)
         print(f"specdec bench-policy: {e}", file=sys.stderr)
         return 2
@@ -179,6 +179,6 @@ def run(args) -> int:
     end_load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"\n{time.perf_counter() - start:.0f}s; load average {load} at start, {end_load} at end")
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows,
-                                               "load_average": [load, end_load]}, indent=1))
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "draft_weights": args.draft_weights,
+                                               "rows": rows, "load_average": [load, end_load]}, indent=1))
     return 0

@@ -4,7 +4,8 @@ Terms. A *weight format* is how a model's projection matrices are held in memory
 the compute dtype), `q8` or `q4` (integer codes of 8 or 4 bits with a float scale, and for q4 a
 float minimum, per *group* of GROUP consecutive inputs of one output: w = scale * code + min).
 `auto` keeps a GGUF file's own format (the nearest of q8/q4 to each tensor's type, module
-`FORMAT_OF_GGUF_TYPE`) and a float checkpoint's floats. q8 and q4 run in specdec's C kernels
+`FORMAT_OF_GGUF_TYPE`) and a float checkpoint's floats (a draft's as q8: model.decoder.load_model's
+auto_float_format). q8 and q4 run in specdec's C kernels
 (CPU, float32 activations: cpu_kernels.c, "quantized projections"), which stream the codes and
 never widen them to floats in memory.
 

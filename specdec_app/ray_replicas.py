@@ -171,17 +171,18 @@ class RayReplicaLauncher:
             wait_replica(replica, self.timeout_s, shared)
         except BaseException:
             with self._lock:
-                self.started.pop(index, None)
-            stop_replica(replica)
+                ours = self.started.pop(index, None) is replica
+            if ours:  # (else stop_all stopped it while it loaded)
+                stop_replica(replica)
             raise
         self.specs[index] = replica.spec()
         return self.make_factory(replica.spec())
 
     def remove(self, index: int) -> None:
         replica = self.started.pop(index, None)
-        self.specs.pop(index, None)
-        if replica is None:
-            replica = self._handles_of(self.specs.get(index))
+        spec = self.specs.pop(index, None)
+        if replica is None:  # started by `launch`: found by its actors' names
+            replica = self._handles_of(spec)
         if replica is None:
             return
         draft_of = self.config.replicas.draft_of

@@ -264,7 +264,7 @@ def test_stopping_while_a_replica_loads_stops_it_and_no_replica_starts_after(mod
             killed.set()  # (a failed assertion must not leave the thread waiting)
         with pytest.raises(RuntimeError, match="killed"):
             adding.result(timeout=120)
-    assert launcher.started == {}
+    assert launcher.started == {} and stopped == [1]  # stopped once
     asked.clear()
     with pytest.raises(RuntimeError, match="stopping"):
         launcher.add(2)
@@ -286,3 +286,19 @@ def test_a_deployments_leftover_placement_groups_are_removed_by_name(cluster):
     finally:
         for name in ("specdec-sweepy-replica-1", "other-replica"):
             remove_placement_group(groups[name])
+
+
+def test_removing_a_replica_launch_started_stops_its_actors(models, monkeypatch):
+    """Autoscaling down to min_replicas may drain a replica that `launch` started (not the
+    launcher): the launcher finds its actors by name from its spec and stops them, so its placement
+    group does not hold a node for the rest of the job. Ray is faked."""
+    from specdec_app import ray_replicas
+
+    stopped = []
+    monkeypatch.setattr(ray_replicas, "stop_replica", lambda replica: stopped.append(replica.target_name))
+    monkeypatch.setattr(ray_replicas.ray, "get_actor", lambda name, namespace=None: f"handle of {name}")
+    spec = {"index": 1, "target_name": "specdec-down-target-1", "target_address": "127.0.0.1:1"}
+    launcher = ray_replicas.RayReplicaLauncher(config_for(models, "specdec-down", min_replicas=1, replicas=2),
+                                               [spec], make_factory=lambda spec: spec)
+    launcher.remove(1)
+    assert stopped == ["specdec-down-target-1"] and launcher.specs == {}

@@ -299,8 +299,9 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "adaptive/best" in printed and "worst adaptive/best" in printed
-    assert json.loads(out.read_text())["draft_weights"] == "fp"
-    rows = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    assert written["draft_weights"] == "fp"
+    rows = written["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(1, "greedy")] * 2
     for r in rows:
         assert set(r["fixed"]) == {"1", "2"} and r["best"] in ("plain", "K=1", "K=2")

@@ -76,8 +76,7 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         widths = [min(most, params[i].top_k or most) for i in rows]  # each row's own q size
         every_row = len(rows) == len(params)
         top, ids = torch.topk((logits if every_row else logits[rows]).float(), max(widths), dim=-1)
-        # The greedy rows' picks (when every row samples, all are drawn below).
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device) if every_row else logits.argmax(-1)
+        tokens = None if every_row else logits.argmax(-1)  # the greedy rows' picks
         temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
         scaled = (top / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
         if min(widths) < max(widths):
@@ -100,7 +99,11 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         q = top / top.sum(dim=-1, keepdim=True)
     u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device,
                  None if ranks is None else [ranks[i] for i in rows])
-    tokens[rows] = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
+    picks = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
+    if len(rows) == len(params):
+        tokens = picks
+    else:
+        tokens[rows] = picks
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
     return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}
 

@@ -293,6 +293,24 @@ def test_the_gpus_always_repaired_search_never_draws_a_zero_probability_token(mo
     assert torch.equal(sample_from_probs(probs, u)[hit], always_repaired[hit])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_the_cpus_search_picks_the_batched_searchs_tokens_bit_for_bit(rows):
+    """Up to a few rows the CPU searches each row in Python and numpy (~70 us less a draw): it
+    must pick exactly the index torch's batched search picks on the same cdf, at any u, u = 0 and
+    u next to 1, over runs of zero-probability tokens."""
+    import specdec.sampling.speculative as speculative
+
+    gen = torch.Generator().manual_seed(rows)
+    for vocab in (5, 4096):
+        probs = torch.rand(rows, vocab, generator=gen) ** 4
+        probs[torch.rand(rows, vocab, generator=gen) < 0.5] = 0.0
+        probs[:, vocab // 2] += 1e-6  # every row keeps some mass
+        for u in (torch.rand(rows, generator=gen, dtype=torch.float64), torch.zeros(rows, dtype=torch.float64),
+                  torch.full((rows,), 1 - 2**-53, dtype=torch.float64)):
+            batched = speculative._search(torch.cumsum(probs.double(), dim=-1), u)
+            assert torch.equal(sample_from_probs(probs, u), batched)
+
+
 # ---------------------------------------------------------------- per-request randomness
 
 def test_uniforms_are_a_function_of_seed_position_and_purpose_only():
@@ -307,6 +325,26 @@ def test_uniforms_are_a_function_of_seed_position_and_purpose_only():
         assert not torch.equal(uniforms(seeds, positions, purpose), batch)
     assert not torch.equal(uniforms([124], [[5, 6, 7]], ACCEPT)[0], batch[0])
     assert ((batch >= 0) & (batch < 1)).all()
+
+
+def test_a_few_uniforms_made_in_pythons_integers_are_numpys_bits(monkeypatch):
+    """A batch-1 step asks for 1-12 uniforms: those are hashed in Python's integers (numpy's
+    fixed cost was ~30 us a call), and must be the very bits numpy makes, whatever the shape,
+    seed (all 64 bits), position or tree rank."""
+    import specdec.sampling.random as random_module
+
+    gen = np.random.default_rng(0)
+    for trial in range(200):
+        rows, width = int(gen.integers(1, 4)), int(gen.integers(1, 5))
+        seeds = [int(s) for s in gen.integers(0, 2**63, rows, dtype=np.uint64) * 2 + trial % 2]
+        positions = gen.integers(0, 10**6, (rows, width)) if trial % 3 else gen.integers(0, 10**6, rows)
+        ranks = [int(r) for r in gen.integers(0, 4, rows)] if trial % 2 else None
+        purpose = (DRAFT, ACCEPT, TARGET)[trial % 3]
+        few = uniforms(seeds, positions, purpose, ranks=ranks)
+        monkeypatch.setattr(random_module, "_FEW", 0)  # numpy's hash
+        made_by_numpy = uniforms(seeds, positions, purpose, ranks=ranks)
+        monkeypatch.undo()
+        assert few.shape == made_by_numpy.shape == positions.shape and torch.equal(few, made_by_numpy)
 
 
 def test_seeds_that_differ_only_in_the_top_bit_give_their_own_streams():

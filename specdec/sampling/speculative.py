@@ -14,7 +14,12 @@ can drive it deterministically.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+_ROW_SEARCHES = 8  # rows searched one at a time (a few us each); more: one batched search
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -23,19 +28,36 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     Never returns a zero-probability token, even with u close to 1 or a parallel (GPU) cumsum
     whose rounding differs between neighbours. Rows must have positive mass.
     """
+    if probs.device.type == "cpu":
+        return _sample_on_cpu(probs, uniforms)
     probs, uniforms = probs.double(), uniforms.double().to(probs.device)
+    # A parallel scan may round a zero-probability token's cdf value above its neighbour's: every
+    # row is searched on the repaired cdf (no flag read back: a sync per draft step on a GPU).
+    return _search(_repaired(probs, torch.cumsum(probs, dim=-1)), uniforms)
+
+
+def _sample_on_cpu(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """_search on the CPU's cdf; up to _ROW_SEARCHES rows, each row's target and search in Python
+    and numpy (the same float64 arithmetic: the same index), ~70 us less fixed overhead a draw
+    than torch's batched calls. A sequential cumsum never decreases, so the first value past the
+    target is a step up, a token of positive probability; a row whose pick has none anyway (a
+    cumsum that rounded like a parallel scan) is searched again on the repaired cdf."""
+    probs, uniforms = probs.double(), uniforms.double()
     cdf = torch.cumsum(probs, dim=-1)
-    if probs.device.type != "cpu":
-        # Off the CPU every row is searched on the repaired cdf: the same index as below, without
-        # reading a flag back to the host (a sync per draft step on a GPU).
-        return _search(_repaired(probs, cdf), uniforms)
-    idx = _search(cdf, uniforms)
-    # searchsorted(right=True) picks the first index whose cdf exceeds the target. A sequential
-    # cumsum (the CPU's) never decreases, so that index is a strict increase: a token with
-    # positive probability. A parallel scan may round a zero-probability token's value above its
-    # neighbour's; only then (one check) are the rows searched again on a repaired cdf.
-    bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
-    if bool(bad.any()):
+    if len(cdf) > _ROW_SEARCHES:
+        idx = _search(cdf, uniforms)
+        bad = (probs.gather(1, idx[:, None]).squeeze(1) <= 0).numpy()
+    else:
+        rows, mass, last, found = cdf.numpy(), probs.numpy(), cdf.shape[-1] - 1, []
+        for row, u in zip(rows, uniforms.tolist()):
+            total = float(row[-1])
+            # u < 1 but u * total may round up to total; stay strictly below so some index qualifies.
+            target = min(u * total, math.nextafter(total, 0.0))
+            found.append(min(int(np.searchsorted(row, target, side="right")), last))
+        idx = torch.from_numpy(np.array(found, dtype=np.int64))
+        bad = mass[np.arange(len(found)), found] <= 0
+    if bad.any():
+        bad = torch.from_numpy(bad)
         idx[bad] = _search(_repaired(probs[bad], cdf[bad]), uniforms[bad])
     return idx
 

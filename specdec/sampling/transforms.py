@@ -10,6 +10,7 @@ same `presence` masks; that is what makes q and p comparable and the verificatio
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,18 +42,10 @@ class BatchSamplingParams:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device="cpu") -> BatchSamplingParams:
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            repetition_penalty=torch.tensor(
-                [p.repetition_penalty for p in params], dtype=torch.float32, device=device
-            ),
-            any_greedy=any(p.greedy for p in params),
-            all_greedy=all(p.greedy for p in params),
-            any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
-            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
-        )
+        """The rows' parameters as tensors on `device`; the same batch of values as a recent call's
+        gets that call's tensors (read only): a steady batch builds them once, not 4 tensors a step."""
+        rows = tuple((p.temperature, p.top_k, p.top_p, p.repetition_penalty) for p in params)
+        return _batch_params(rows, torch.device(device))
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -60,6 +53,22 @@ class BatchSamplingParams:
 
     def __len__(self) -> int:
         return int(self.temperature.shape[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_params(rows: tuple[tuple[float, int, float, float], ...], device: torch.device) -> BatchSamplingParams:
+    temperature, top_k, top_p, penalty = zip(*rows) if rows else ((), (), (), ())
+    sampled = [t != 0.0 for t in temperature]  # (SamplingParams.greedy: temperature 0)
+    return BatchSamplingParams(
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        repetition_penalty=torch.tensor(penalty, dtype=torch.float32, device=device),
+        any_greedy=not all(sampled),
+        all_greedy=not any(sampled),
+        any_top_k=any(k > 0 and s for k, s in zip(top_k, sampled)),
+        any_top_p=any(p < 1.0 and s for p, s in zip(top_p, sampled)),
+    )
 
 
 def presence_mask(token_lists: list[list[int]], vocab_size: int, device="cpu") -> torch.Tensor:
@@ -119,18 +128,21 @@ def probs_from_logits(
     V = logits.shape[1]
     if presence is not None:
         logits = apply_repetition_penalty(logits, presence, params.repetition_penalty.to(logits.device))
-    greedy = params.greedy.to(logits.device)
-    one_hot = None
+    one_hot = greedy = None
     if params.any_greedy:
+        greedy = params.greedy.to(logits.device)
         one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         if params.all_greedy:
             return one_hot
 
-    temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    temp = temp.to(logits.device).clamp(MIN_TEMPERATURE, LARGEST_LOGIT)  # 1e300 as float32 would be inf
+    temp = params.temperature.to(logits.device)
+    if greedy is not None:
+        temp = torch.where(greedy, torch.ones_like(temp), temp)
+    temp = temp.clamp(MIN_TEMPERATURE, LARGEST_LOGIT)  # 1e300 as float32 would be inf
     scaled = (logits.clamp(-LARGEST_LOGIT, LARGEST_LOGIT) / temp[:, None]).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
-    k = params.top_k.to(logits.device)
-    k = torch.where(k <= 0, torch.full_like(k, V), k.clamp(max=V))
+    if params.any_top_p or params.any_top_k:
+        k = params.top_k.to(logits.device)
+        k = torch.where(k <= 0, torch.full_like(k, V), k.clamp(max=V))
     if params.any_top_p:
         scaled = _top_k_top_p(scaled, k, params.top_p.to(logits.device))
     elif params.any_top_k:

@@ -122,8 +122,16 @@ SYNCS_PER_VERIFY = 6
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_host_syncs_per_round_are_a_constant_whatever_the_batch(model_dir, tmp_path, temperature):
+def test_host_syncs_per_round_are_a_constant_whatever_the_batch(model_dir, tmp_path, temperature, monkeypatch):
     import sys
+
+    import specdec.sampling.random as random_module
+    import specdec.sampling.speculative as speculative
+
+    # Small batches on the CPU draw, verify and hash their uniforms a row at a time in Python (reads
+    # a GPU never makes: those paths are the CPU's); off here, so the count is the device path's.
+    monkeypatch.setattr(speculative, "_ROW_AT_A_TIME", 0)
+    monkeypatch.setattr(random_module, "_FEW", 0)
     sys.path.insert(0, str(ROOT / "scripts"))  # the device check's counting hook (scripts/ is no package)
     from gpu_check import counted_host_syncs, generate, scheduler
 

@@ -311,6 +311,39 @@ def test_the_cpus_search_picks_the_batched_searchs_tokens_bit_for_bit(rows):
             assert torch.equal(sample_from_probs(probs, u), batched)
 
 
+def test_a_few_rows_verified_one_at_a_time_get_the_batched_verdicts_bit_for_bit(monkeypatch):
+    """Up to a few rows the CPU verifies each row in Python and numpy (~0.2 ms less a round): the
+    same accepted counts and next tokens as the batched torch version, for greedy and sampled
+    rows, proposals of every length (0 included), rejections with and without residual mass."""
+    import specdec.sampling.speculative as speculative
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        batch, k, vocab = 1 + trial % 8, trial % 5, 2 + trial % 29
+        entries = min(1 + trial % 3, vocab)
+        p = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen) * 2, -1)
+        p[torch.rand(batch, k + 1, vocab, generator=gen) < 0.2] = 0.0
+        p[:, :, 0] += 1e-4
+        q_ids = torch.stack([torch.randperm(vocab, generator=gen)[:entries] for _ in range(batch * k)]
+                            or [torch.zeros(entries, dtype=torch.long)])[:batch * k].view(batch, k, entries)
+        q_probs = torch.rand(batch, k, entries, generator=gen) * (torch.rand(batch, k, entries, generator=gen) > 0.3)
+        q_probs[:, :, 0] += 0.01
+        q_probs /= q_probs.sum(-1, keepdim=True)
+        proposed = torch.randint(0, k + 1, (batch,), generator=gen)
+        picks = torch.randint(0, entries, (batch, k), generator=gen)
+        draft = torch.where(q_probs.gather(2, picks[..., None])[..., 0] > 0, q_ids.gather(2, picks[..., None])[..., 0],
+                            q_ids[:, :, 0])  # (a proposed token has q > 0: the target checks)
+        draft[torch.arange(k)[None, :] >= proposed[:, None]] = -1
+        greedy = torch.rand(batch, generator=gen) < 0.3
+        args = (p, q_ids, q_probs, draft, proposed, greedy, torch.rand(batch, k, generator=gen, dtype=torch.float64),
+                torch.rand(batch, k + 1, generator=gen, dtype=torch.float64))
+        row_at_a_time = speculative_verify(*args)
+        monkeypatch.setattr(speculative, "_ROW_AT_A_TIME", 0)
+        batched = speculative_verify(*args)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(row_at_a_time, batched)), trial
+
+
 # ---------------------------------------------------------------- per-request randomness
 
 def test_uniforms_are_a_function_of_seed_position_and_purpose_only():

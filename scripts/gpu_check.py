@@ -25,7 +25,12 @@ records its error and the rest still run; a run cut short keeps what it measured
   kernels of a step (profiler), the KV cache at kv_memory_fraction 0.5 and whether its largest
   pass stays within the measured headroom;
 - long prompt: 131071 tokens (Llama-3.2's context) through the runner on the 3B shape: time, peak;
-- shipped: the shipped pair's measured speedup (float32).
+- shipped: the shipped pair's measured speedup (float32);
+- quantized: weights held as q8 and q4 codes (model.triton_quantized): speculative greedy == that
+  format's plain greedy (float32 and bfloat16, graphs on and off); a row's product bits alone and
+  in a batch; the reference shapes' graphed step, verify and draft step at each format, their
+  weight bytes and the draft's cost ratio c.
+`--only a,b` runs only the sections named.
 """
 from __future__ import annotations
 
@@ -78,8 +83,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_model(shape: dict, device: torch.device, dtype: torch.dtype, context: int = 4096) -> Model:
-    """A model of this shape with random weights made on the device (no checkpoint on disk)."""
+def random_model(shape: dict, device: torch.device, dtype: torch.dtype, context: int = 4096,
+                 weight_format: str = "fp") -> Model:
+    """A model of this shape with random weights made on the device (no checkpoint on disk),
+    its matrices held in `weight_format` (fp, q8 or q4: model.quantized)."""
     raw = {"model_type": "llama", "max_position_embeddings": context, "tie_word_embeddings": True, **shape}
     config = ModelConfig.from_dict(raw)
     hidden, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
@@ -100,7 +107,8 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype, context:
                         f"{attn}.v_proj.weight": w(kv, hidden), f"{attn}.o_proj.weight": w(hidden, hidden),
                         f"{mlp}.gate_proj.weight": w(inter, hidden), f"{mlp}.up_proj.weight": w(inter, hidden),
                         f"{mlp}.down_proj.weight": w(hidden, inter)})
-    return Model(config, build_weights(config, tensors, device, dtype, packed=False), device, dtype)
+    weights = build_weights(config, tensors, device, dtype, packed=False, weight_format=weight_format)
+    return Model(config, weights, device, dtype)
 
 
 def timed_pass(model: Model, batch: int, tokens: int, context: int, repeats: int, graphed: bool = False,
@@ -463,7 +471,7 @@ def shipped_pair(device: str, quick: bool) -> dict:
             "shipped_pair_speedup_b1_greedy": runs["speculative"] / runs["plain"]}
 
 
-def checks(device: str, quick: bool, out: Path) -> dict:
+def checks(device: str, quick: bool, out: Path, only: set[str] | None = None) -> dict:
     """Every section in turn; one that fails records its error and the rest still run. The
     report is rewritten after each section, so a run cut short keeps what it measured."""
     dev = torch.device(device)
@@ -476,8 +484,10 @@ def checks(device: str, quick: bool, out: Path) -> dict:
                 ("parity", lambda: parity(dev, tmp)), ("exactness", lambda: exactness(device, tmp)),
                 ("graphs", lambda: graph_replay(dev, tmp / "target")), ("families", lambda: families(dev, tmp)),
                 ("timings", lambda: timings(dev, quick)), ("long_prompt", lambda: long_prompt(dev, quick)),
-                ("shipped", lambda: shipped_pair(device, quick))]
+                ("shipped", lambda: shipped_pair(device, quick)), ("quantized", lambda: quantized(dev, tmp, quick))]
     for name, section in sections:
+        if only and name not in only:
+            continue
         began = time.perf_counter()
         try:
             report.update(section())
@@ -488,6 +498,55 @@ def checks(device: str, quick: bool, out: Path) -> dict:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         write_reports(report, out)
+    return report
+
+
+def quantized(dev: torch.device, tmp: Path, quick: bool) -> dict:
+    """Weights as codes on this device (model.triton_quantized; on a CPU Triton's interpreter)."""
+    from specdec.model import triton_quantized
+    from specdec.model.quantized import quantize
+
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"quantized": "not run: codes on a CPU run in the C kernels (tests/test_quantized_weights.py)"}
+    report = {}
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 20)]
+    greedy = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * 2
+    for dtype in ("float32", "bfloat16") if dev.type == "cuda" else ():  # (the CPU: tests/test_triton_quantized.py)
+        for bits in ("q8", "q4"):
+            formats = dict(target_weights=bits, draft_weights="q8")
+            plain, _ = generate(scheduler(str(tmp / "target"), None, str(dev), dtype, **formats), prompts, greedy)
+            spec, _ = generate(scheduler(str(tmp / "target"), str(tmp / "draft"), str(dev), dtype, adaptive=False,
+                                         **formats), prompts, greedy)
+            eager, _ = generate(scheduler(str(tmp / "target"), str(tmp / "draft"), str(dev), dtype, adaptive=False,
+                                          cuda_graph_max_batch=0, **formats), prompts, greedy)
+            report[f"speculative_greedy_equals_target_greedy_{bits}_{dtype}"] = spec == plain
+            report[f"graphs_on_equals_graphs_off_greedy_{bits}_{dtype}"] = eager == spec
+    fan_in, fan_out = (3072, 5120) if not quick else (128, 96)
+    gen = torch.Generator(device=dev).manual_seed(5)
+    for bits in (8, 4):  # a row's bits alone and among 8 and 40 rows (the small passes' configuration)
+        codes = triton_quantized.DeviceCodes.build(quantize(torch.randn(fan_out, fan_in, device=dev, generator=gen)
+                                                            * 0.02, bits), None, dev, torch.bfloat16)
+        x = torch.randn(40, fan_in, device=dev, generator=gen).to(torch.bfloat16)
+        alone = torch.cat([triton_quantized.quantized_product(x[i:i + 1], codes) for i in range(40)])
+        report[f"q{bits}_row_alone_equals_in_8_and_40"] = (
+            torch.equal(alone[:8], triton_quantized.quantized_product(x[:8], codes))
+            and torch.equal(alone, triton_quantized.quantized_product(x, codes)))
+    if dev.type != "cuda":
+        return report
+    context, repeats = (64, 3) if quick else (512, 20)
+    draft_shape, target_shape = ("tiny-draft", "tiny-target") if quick else ("1B", "3B")
+    for weight_format in ("fp", "q8", "q4"):
+        target = random_model(SHAPES[target_shape], dev, torch.bfloat16, weight_format=weight_format)
+        draft = random_model(SHAPES[draft_shape], dev, torch.bfloat16, weight_format=weight_format)
+        step = timed_pass(target, 1, 1, context, repeats, graphed=True)
+        draft_step = timed_pass(draft, 1, 1, context, repeats, graphed=True)
+        report.update({f"{weight_format}_target_weight_bytes": target.weights.nbytes,
+                       f"{weight_format}_graphed_step_s": step,
+                       f"{weight_format}_graphed_step_b8_s": timed_pass(target, 8, 1, context, repeats, graphed=True),
+                       f"{weight_format}_verify6_over_step": timed_pass(target, 1, 6, context, repeats, True) / step,
+                       f"{weight_format}_draft_step_s": draft_step, f"{weight_format}_cost_ratio_c": draft_step / step})
+        del target, draft
+        torch.cuda.empty_cache()
     return report
 
 
@@ -571,11 +630,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and fewer tokens (CI on a CPU)")
     parser.add_argument("--out", default="gpu_check_out")
+    parser.add_argument("--only", help="comma-separated sections to run (default: all)")
     args = parser.parse_args(argv)
-    report = checks(args.device, args.quick, Path(args.out))
+    only = set(args.only.split(",")) if args.only else None
+    report = checks(args.device, args.quick, Path(args.out), only)
     print(json.dumps(report, indent=1))
     failed = [k for k in report if k.endswith("_error")]
-    return 0 if report.get("speculative_greedy_equals_target_greedy_float32") and not failed else 1
+    exact = [v for k, v in report.items() if k.startswith("speculative_greedy_equals")]
+    return 0 if exact and all(exact) and not failed else 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ whole passes). Needs only torch and Triton; run from the checkout on a CUDA mach
   memory;
 - attention: model.triton_attention at batch 1, 1 and 6 new tokens, contexts 512 to 32k, keys in
   one split or in the splits the kernel chooses;
-- a graph of 300 tiny kernels: what each kernel costs inside a CUDA graph however small.
+- a graph of 300 tiny kernels: what each kernel costs inside a CUDA graph however small;
+- quantized (`--only quantized`): the same projections multiplied by q8 and q4 codes
+  (model.triton_quantized) at 1 and 8 rows, against cuBLAS's bfloat16 product, for each launch
+  configuration in QUANTIZED_CONFIGS, and whether a row's bits are the same alone and in a batch.
 Each time is the median of CUDA-event timings of CUDA graphs of the calls (no host launch gaps);
 a table is printed and written as JSON.
 """
@@ -85,6 +88,63 @@ def products(device: torch.device) -> list[dict]:
     return rows
 
 
+QUANTIZED_CONFIGS = [(32, 4), (64, 4), (128, 4), (64, 8), (128, 8)]  # (BLOCK_N, num_warps) of the product
+
+
+def random_codes(bits: int, fan_in: int, fan_out: int, device: torch.device):
+    """A QuantizedMatrix [out, in] of random codes, scales and minimums on the device."""
+    from specdec.model.quantized import GROUP, QuantizedMatrix
+
+    codes = torch.randint(-127 if bits == 8 else 0, 128 if bits == 8 else 16, (fan_out, fan_in), device=device,
+                          dtype=torch.int8)
+    scales = (torch.rand(fan_out, fan_in // GROUP, device=device) * 1e-3).half().float()
+    mins = None if bits == 8 else (-8 * scales).contiguous()
+    return QuantizedMatrix(bits, codes, scales, mins)
+
+
+def quantized(device: torch.device, out: Path) -> list[dict]:
+    """Each projection at 1 and 8 rows: cuBLAS bfloat16 [in, out] against q8 and q4 codes through
+    model.triton_quantized, per launch configuration, over copies that do not fit the L2 cache;
+    microseconds, and the bfloat16 product's time over the codes'. Rows are written as they come."""
+    from specdec.model import triton_quantized as tq
+
+    rows = []
+    for shape, projections in PRODUCTS.items():
+        for name, (fan_in, fan_out) in projections.items():
+            copies = max(2, -(-4 * L2_BYTES // (fan_in * fan_out)))
+            floats = [torch.randn(fan_in, fan_out, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+            for m in (1, 8):
+                x = torch.randn(m, fan_in, device=device, dtype=torch.bfloat16)
+                cublas_us = graph_ms([partial(torch.matmul, x, floats[i % copies]) for i in range(2 * copies)]) * 1e3
+                for bits in (8, 4):
+                    matrices = [random_codes(bits, fan_in, fan_out, device) for _ in range(copies)]
+                    for block_n, warps in QUANTIZED_CONFIGS:
+                        tq.BLOCK_N, tq.NUM_WARPS = block_n, warps
+                        row = {"shape": shape, "product": name, "rows": m, "bits": bits, "block_n": block_n,
+                               "warps": warps, "cublas_bf16_us": round(cublas_us, 1)}
+                        try:
+                            held = [tq.DeviceCodes.build(q, None, device, torch.bfloat16) for q in matrices]
+                            us = graph_ms([partial(tq.quantized_product, x, held[i % copies])
+                                           for i in range(2 * copies)]) * 1e3
+                            row.update(us=round(us, 1), speedup=round(cublas_us / us, 2), splits=held[0].splits[0],
+                                       gbps=round(held[0].nbytes() / us / 1e3))
+                            if m == 8:  # the bits of a row alone and in the batch
+                                alone = torch.cat([tq.quantized_product(x[i:i + 1], held[0]) for i in range(m)])
+                                row["row_alone_equals_in_batch"] = torch.equal(alone, tq.quantized_product(x, held[0]))
+                                want = x.double() @ matrices[0].dequantize().double().t()
+                                row["max_rel_error"] = float((alone.double() - want).abs().max() / want.abs().max())
+                            del held
+                        except Exception as error:  # recorded; the next configuration runs
+                            row["error"] = repr(error)[:300]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        (out / "gpu_quantized_bench.json").write_text(json.dumps(rows, indent=1))
+                    del matrices
+            del floats
+    tq.BLOCK_N, tq.NUM_WARPS = 64, 4
+    return rows
+
+
 def attention(device: torch.device) -> list[dict]:
     rows = []
     heads, kv_heads, dim, block = 24, 8, 128, 16
@@ -122,8 +182,13 @@ def graph_kernel_cost(device: torch.device) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_kernel_bench_out")
+    parser.add_argument("--only", choices=["quantized"], help="run only this part")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.only == "quantized":
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        quantized(device, Path(args.out))
+        return 0
     report = {"device": torch.cuda.get_device_name(device), **graph_kernel_cost(device),
               "attention": attention(device), "products": products(device)}
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -70,9 +70,9 @@ class WorkerConfig:
               "room for the activations of such a pass)")
     weights: str = setting(
         "auto", "how weight matrices are held and multiplied: fp (floats of the dtype), q8 or q4 (8- or 4-bit "
-                "codes with a scale per 32 numbers, computed as codes in specdec's C kernels: CPU, float32), or "
-                "auto: a GGUF file's own quantization (Q8_0, Q4_0 and Q4_1 exactly, other types at the nearest of "
-                "q8/q4) on CPU, floats otherwise")
+                "codes with a scale per 32 numbers, computed as codes: in specdec's C kernels on CPU (float32), "
+                "in a Triton kernel on CUDA), or auto: a GGUF file's own quantization (Q8_0, Q4_0 and Q4_1 "
+                "exactly, other types at the nearest of q8/q4) where codes run, floats otherwise")
     cpu_kernels: bool = setting(
         True, "on CPU (float32), run every forward pass in specdec's C kernels, built on first use with the "
               "system's C compiler: faster for small models, and batch-invariant (a token's logits do not "
@@ -139,8 +139,8 @@ class DraftConfig(WorkerConfig):
     ngram_window: int = setting(2048, "most recent tokens the n-gram drafter searches")
     weights: str = setting(
         "auto", "how weight matrices are held and multiplied: fp, q8 or q4 (as the target's), or auto: a GGUF "
-                "file's own quantization on CPU, a float checkpoint as q8 on CPU (float32, C kernels), floats "
-                "otherwise")
+                "file's own quantization where codes run (as the target's), a float checkpoint as q8 on CPU "
+                "(float32, C kernels), floats otherwise")
 
     role = "draft"
     # The draft's numbers decide only which tokens are proposed, never which are output, and a draft

@@ -25,4 +25,5 @@ def test_the_device_check_runs_on_the_cpu_and_writes_its_reports(tmp_path):
     assert report["mixed_sampled_batch_with_overlap_lengths"] == [24, 24, 24]
     assert report["parity_float32_max_abs"] < 1e-3 and report["parity_bfloat16_max_abs"] < 0.05
     assert report["host_syncs_per_round"] > 0 and report["cost_ratio_c"] > 0 and report["step_over_floor"] > 0
+    assert report["q8_row_alone_equals_in_8_and_40"] is True and report["q4_row_alone_equals_in_8_and_40"] is True
     assert "| speculative_greedy_equals_target_greedy_float32 | True |" in (tmp_path / "gpu_check.md").read_text()

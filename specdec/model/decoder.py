@@ -131,8 +131,8 @@ class Model:
             return kernel_forward(self, batch, cache)
         if batch.context_len > self.rotary.cos.shape[0]:  # (a GPU would fault on the lookup, not raise)
             raise ValueError(f"positions beyond the model's {self.rotary.cos.shape[0]}")
-        if self.quantized:  # only the kernels multiply by codes
-            raise ValueError("weights held as codes run in specdec's C kernels only")
+        if self.quantized and self.weights.lm_head.device_codes is None:  # the C kernels' codes
+            raise ValueError("weights held as codes in the C kernels' panels run in those kernels only")
         # Token trees attend through per-node rows of keys, which Triton's kernels do not read.
         if self.fused_ops and not batch.has_tree:
             from specdec.model.gpu_forward import gpu_forward
@@ -180,10 +180,12 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     cpu_kernels: on CPU in float32 run every pass in specdec's C kernels (model.cpu_kernels) where
     they can be built. Half precision is for GPUs; CPU_HALF_PRECISION_ENV lets tests run it on the
     CPU through torch's ops, as a GPU would.
-    weights: fp, q8, q4 or auto (model.quantized): codes need the C kernels; auto keeps a GGUF's
-    quantization where they run, and dequantizes it to `dtype` elsewhere.
+    weights: fp, q8, q4 or auto (model.quantized): codes are multiplied in the C kernels (CPU) or
+    in Triton's kernel (a GPU: model.triton_quantized), nowhere else; auto keeps a GGUF's
+    quantization where either runs, and dequantizes it to `dtype` elsewhere.
     auto_float_format: what auto makes of a float checkpoint where the C kernels run: fp (keep its
     floats: a target's output is then the float model's) or q8 (a draft: role_configs.DraftConfig).
+    On a GPU auto keeps a float checkpoint's floats.
     kv_cache_dtype: auto (`dtype`), float32 or float16; on CPU a float32 model may keep a float16
     cache (half the memory, and the bytes attention reads; rounded to nearest on the way in)."""
     torch_dtype = resolve_dtype(dtype)
@@ -197,14 +199,18 @@ def load_model(spec: str, device: str = "cpu", dtype: str | torch.dtype = "float
     source = resolve_model_source(str(spec))
     config = ModelConfig.from_dict(source.config)
     kernels = load_cpu_kernels() if cpu_kernels and on_cpu and torch_dtype == torch.float32 else None
-    if kernels is None and weights in CODE_BITS:
-        raise ValueError(f"weights={weights} runs in specdec's C kernels, which this model cannot use (they need "
-                         "device cpu, dtype float32, cpu_kernels on and a C compiler); use weights fp or auto")
+    # Without the C kernels codes are multiplied where Triton's kernels run (a GPU; tests: the
+    # interpreter, ATTENTION_ENV=triton).
+    triton_codes = kernels is None and attention_backend(torch.device(device)) == "triton"
+    if kernels is None and not triton_codes and weights in CODE_BITS:
+        raise ValueError(f"weights={weights} runs in specdec's C kernels (device cpu, dtype float32, cpu_kernels on "
+                         "and a C compiler) or in Triton's kernels (a CUDA GPU), neither of which this model can "
+                         "use; use weights fp or auto")
     kv_dtype = kv_cache_dtype_for(kv_cache_dtype, torch_dtype, on_cpu)
-    weight_format = weights if kernels is not None else "fp"
+    weight_format = weights if kernels is not None or triton_codes else "fp"
     raw = source.tensors(torch_dtype, device, keep_quantized=weight_format != "fp")
     if weight_format == "auto" and not any(isinstance(t, QuantizedMatrix) for t in raw.values()):
-        weight_format = auto_float_format
+        weight_format = auto_float_format if kernels is not None else "fp"
     built = build_weights(config, raw, device, torch_dtype, packed_weights, kernels, weight_format)
     return Model(config, built, device, torch_dtype, kernels, kv_dtype)
 

@@ -46,13 +46,16 @@ class Projection:
     optional oneDNN-packed copy of the weight for the products it runs faster (module docstring).
     `panels`: the same weight in the C kernels' layout (model.panels.PanelWeight, or
     QuantizedPanelWeight: then `weight` is None, the codes being the only copy), which the kernel
-    pass multiplies by instead (model.kernel_forward); None elsewhere."""
+    pass multiplies by instead (model.kernel_forward); None elsewhere. `device_codes`: on a GPU,
+    the weight as codes for Triton's product (model.triton_quantized.DeviceCodes, holding the
+    bias too; `weight` is then None)."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, packed: bool = False,
-                 panels=None):
+                 panels=None, device_codes=None):
         self.weight = weight  # [in, out]
         self.bias = bias
         self.panels = panels
+        self.device_codes = device_codes
         self.packed = _pack(weight) if packed else None
         # One row goes through the packed copy only where streaming, not the call, dominates.
         self.single_row_packed = (self.packed is not None
@@ -60,14 +63,22 @@ class Projection:
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[0] if self.weight is not None else self.panels.in_features
+        return self.weight.shape[0] if self.weight is not None else self.held_codes.in_features
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[1] if self.weight is not None else self.panels.out_features
+        return self.weight.shape[1] if self.weight is not None else self.held_codes.out_features
+
+    @property
+    def held_codes(self):
+        """Where a weight held only as codes is: the C kernels' panels or the GPU's codes."""
+        return self.panels if self.panels is not None else self.device_codes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]."""
+        if self.device_codes is not None:
+            from specdec.model.triton_quantized import quantized_product  # (Triton only where it runs)
+            return quantized_product(x, self.device_codes)
         if self.packed is not None and (x.shape[0] > 1 or (self.single_row_packed and torch.get_num_threads() > 1)):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)

@@ -10,8 +10,9 @@ With `packed` (CPU only) every projection, the LM head included, also keeps a on
 for products of several rows (specdec.model.linear). With `kernels` (specdec's C kernels, a float32
 CPU model) every projection keeps the C kernels' panels instead, which every pass then uses.
 With a quantized weight format (q8, q4, or auto with a quantized GGUF: model.quantized) the
-projections and the embedding are held only as codes in the C kernels' panels; a tied embedding
-reads its rows from the LM head's.
+projections and the embedding are held only as codes: in the C kernels' panels on CPU, for
+Triton's product on a GPU (model.triton_quantized); a tied embedding reads its rows from the LM
+head's.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor | object  # [vocab, hidden], or quantized: a QuantizedPanelWeight [hidden, vocab]
+    embed: torch.Tensor | object  # [vocab, hidden], or codes: a QuantizedPanelWeight or DeviceCodes [hidden, vocab]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Projection  # hidden -> vocab; tied on GPU: its weight is a view of embed
@@ -62,7 +63,7 @@ class ModelWeights:
                     add(*(getattr(t, name, None) for name in ("panels", "codes", "scales", "mins", "bias")))
 
         for projection in (self.lm_head, *(p for layer in self.layers for p in layer.projections())):
-            add(projection.weight, projection.bias, projection.packed, projection.panels)
+            add(projection.weight, projection.bias, projection.packed, projection.panels, projection.device_codes)
         for layer in self.layers:
             add(layer.input_norm, layer.post_norm, layer.qk_norm)
         add(self.embed, self.final_norm)
@@ -82,7 +83,8 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor | QuantizedMa
     quantized ones as QuantizedMatrix. packed: also keep oneDNN-packed copies for multi-row
     products where oneDNN can (CPU, float32). kernels: model.cpu_kernels.CpuKernels; every
     projection then keeps its panels (and no oneDNN copy: the kernel pass never uses one).
-    weight_format: fp, q8, q4 or auto (model.quantized); any but fp needs kernels."""
+    weight_format: fp, q8, q4 or auto (model.quantized); codes go to the kernels' panels where
+    kernels are given, else to Triton's layout (a GPU's: model.triton_quantized)."""
     counted = 0
     packed = packed and kernels is None and onednn_available(torch.device(device), dtype)
 
@@ -110,11 +112,20 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor | QuantizedMa
         return stack_rows([as_bits(p, bits) if isinstance(p, QuantizedMatrix) else quantize(p, bits)
                            for p in parts])
 
+    def hold_codes(codes: QuantizedMatrix, bias: torch.Tensor | None = None):
+        """`codes` where this model multiplies by them: the C kernels' panels or the GPU's layout."""
+        if kernels is not None:
+            return kernels.pack_quantized(codes, bias)
+        from specdec.model.triton_quantized import DeviceCodes  # (Triton only where it runs)
+        return DeviceCodes.build(codes, bias, device, dtype)
+
     def product(parts: list[torch.Tensor | QuantizedMatrix], bias: torch.Tensor | None) -> Projection:
         """The checkpoint's [out, in] matrices `parts`, stacked on out (one product for all)."""
         codes = quantized_form(parts)
         if codes is not None:
-            return Projection(None, bias, panels=kernels.pack_quantized(codes, bias))
+            if kernels is not None:
+                return Projection(None, bias, panels=hold_codes(codes, bias))
+            return Projection(None, bias, device_codes=hold_codes(codes, bias))
         weight = torch.cat([p.dequantize().to(device=device, dtype=dtype) if isinstance(p, QuantizedMatrix) else p
                             for p in parts]).t().contiguous()
         return Projection(weight, bias, packed, kernels.pack(weight, bias) if kernels is not None else None)
@@ -151,7 +162,7 @@ def build_weights(config: ModelConfig, raw: dict[str, torch.Tensor | QuantizedMa
     embed_codes = quantized_form([embed])
     if embed_codes is not None:  # rows read from the panels (ModelWeights.embed_rows)
         lm_head = projection(["lm_head.weight"], None) if not tied else product([embed_codes], None)
-        embed = lm_head.panels if tied else kernels.pack_quantized(embed_codes)
+        embed = lm_head.held_codes if tied else hold_codes(embed_codes)
     else:
         if isinstance(embed, QuantizedMatrix):
             embed = embed.dequantize().to(device=device, dtype=dtype)

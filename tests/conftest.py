@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 # Two cores: one intra-op thread per test process keeps timings stable and avoids oversubscription.
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 
-from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint  # noqa: E402
+from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint, perturbed_copy  # noqa: E402
 from gates import PACE, PACES  # noqa: E402
 
 # SPECDEC_TEST_PACE=slow|fast proves that no test depends on how fast this machine is (a test must
@@ -125,6 +125,15 @@ def target_dir(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gqa_target_dir(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("gqa-target"), seed=0, **CONFIGS["gqa_untied"])
+
+
+@pytest.fixture(scope="session")
+def quantization_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A small target and a noisy copy as its draft: the weight formats' tests (CPU and GPU)."""
+    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    target = build_checkpoint(tmp_path_factory.mktemp("q-target"), seed=4, **shape)
+    return target, perturbed_copy(target, tmp_path_factory.mktemp("q-draft"), noise=0.3)
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILY_CONFIGS))

@@ -132,20 +132,12 @@ def test_quantizers_bound_their_error_and_stack_to_the_wider_codes():
         quantize(torch.randn(4, 40), 8)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
-    target = build_checkpoint(tmp_path_factory.mktemp("q-target"), seed=4, **shape)
-    return target, perturbed_copy(target, tmp_path_factory.mktemp("q-draft"), noise=0.3)
-
-
 @needs_kernels
 @pytest.mark.parametrize("target_weights, draft_weights", [("q8", "q8"), ("q4", "q8"), ("q4", "q4")])
-def test_greedy_speculation_is_that_formats_plain_decoding(pair, target_weights, draft_weights):
+def test_greedy_speculation_is_that_formats_plain_decoding(quantization_pair, target_weights, draft_weights):
     """Mixed batches, K 1-5, adaptive, n-gram: every output token for token the plain output of the
     target held in the same format (which differs from the float model's: it is another model)."""
-    target, draft = pair
+    target, draft = quantization_pair
     prompts = [[3, 17, 42, 7, 99, 12, 5], [8, 8, 8, 21, 30, 8, 8, 8, 21], list(range(40, 90)), [5]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     plain = LocalEngine(str(target), draft=None, target_weights=target_weights).generate(prompts, params)
@@ -198,7 +190,7 @@ def test_sampled_speculation_follows_that_formats_distribution(tmp_path_factory,
 
 
 @needs_kernels
-def test_a_float_draft_runs_as_q8_by_default_and_the_target_keeps_its_floats(pair, tmp_path):
+def test_a_float_draft_runs_as_q8_by_default_and_the_target_keeps_its_floats(quantization_pair, tmp_path):
     """A draft's numbers choose what is proposed, never what is output, so weights=auto holds a
     float draft as q8 where the kernels run (a quarter of the bytes a draft step reads); the target
     keeps its floats (its output is the float model's), a GGUF draft its file's codes."""
@@ -206,8 +198,8 @@ def test_a_float_draft_runs_as_q8_by_default_and_the_target_keeps_its_floats(pai
         models = engine.target_worker.runner.model, engine.draft_worker.drafter.runner.model
         return [m.weights.lm_head.panels.bits if m.quantized else "fp" for m in models]
 
-    target, draft = map(str, pair)
-    q4_draft = write_gguf(pair[1], tmp_path / "draft.gguf", tmp_path / "reference", "Q4_1")
+    target, draft = map(str, quantization_pair)
+    q4_draft = write_gguf(quantization_pair[1], tmp_path / "draft.gguf", tmp_path / "reference", "Q4_1")
     assert formats(LocalEngine(target, draft=draft)) == ["fp", 8]
     assert formats(LocalEngine(target, draft=str(q4_draft))) == ["fp", 4]
     assert formats(LocalEngine(target, draft=draft, draft_weights="fp")) == ["fp", "fp"]
@@ -215,12 +207,12 @@ def test_a_float_draft_runs_as_q8_by_default_and_the_target_keeps_its_floats(pai
 
 
 @needs_kernels
-def test_the_setting_is_checked_and_codes_need_the_kernels(pair):
+def test_the_setting_is_checked_and_codes_need_the_kernels(quantization_pair):
     with pytest.raises(ConfigError, match="target.weights must be one of auto, fp, q8, q4"):
-        LocalEngine(str(pair[0]), draft=None, target_weights="q3")
+        LocalEngine(str(quantization_pair[0]), draft=None, target_weights="q3")
     with pytest.raises(ValueError, match="weights=q4 runs in specdec's C kernels"):
-        load_model(pair[0], weights="q4", cpu_kernels=False)
+        load_model(quantization_pair[0], weights="q4", cpu_kernels=False)
     assert WorkerConfig().weights == "auto"
-    model = load_model(pair[0], weights="q4")
+    model = load_model(quantization_pair[0], weights="q4")
     assert model.quantized and isinstance(model.weights.lm_head.panels.codes, torch.Tensor)
     assert isinstance(quantize(torch.randn(2, 32), 4), QuantizedMatrix)

@@ -17,7 +17,6 @@ from specdec.model.batch import prepare_forward  # noqa: E402
 from specdec.model.quantized import quantize  # noqa: E402
 from specdec.model.triton_quantized import DeviceCodes, quantized_product  # noqa: E402
 
-from checkpoints import build_checkpoint, perturbed_copy  # noqa: E402
 from gguf_files import write_gguf  # noqa: E402
 
 # Of the largest reference value: float32 sums in another order; bfloat16's output rounding (2^-9)
@@ -76,19 +75,11 @@ def test_embedding_rows_are_the_codes_columns(bits):
     assert rows.is_contiguous() and torch.equal(rows, matrix.dequantize()[ids])
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
-    target = build_checkpoint(tmp_path_factory.mktemp("tq-target"), seed=4, **shape)
-    return target, perturbed_copy(target, tmp_path_factory.mktemp("tq-draft"), noise=0.3)
-
-
-def test_a_gguf_keeps_its_codes_where_the_gpu_kernels_run(pair, tmp_path, monkeypatch):
+def test_a_gguf_keeps_its_codes_where_the_gpu_kernels_run(quantization_pair, tmp_path, monkeypatch):
     """auto keeps a Q4_1 file's codes (no float matrix held, a third of the float model's bytes)
     and a pass's logits are the dequantized float model's; a float checkpoint keeps its floats."""
     monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
-    gguf = write_gguf(pair[0], tmp_path / "t.gguf", tmp_path / "reference", "Q4_1")
+    gguf = write_gguf(quantization_pair[0], tmp_path / "t.gguf", tmp_path / "reference", "Q4_1")
     model = load_model(gguf, cpu_kernels=False)
     floats = load_model(tmp_path / "reference", cpu_kernels=False)
     assert model.quantized and not floats.quantized
@@ -103,10 +94,10 @@ def test_a_gguf_keeps_its_codes_where_the_gpu_kernels_run(pair, tmp_path, monkey
     assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
 
 
-def test_greedy_speculation_on_the_gpus_codes_is_that_formats_plain_decoding(pair, monkeypatch):
+def test_greedy_speculation_on_the_gpus_codes_is_that_formats_plain_decoding(quantization_pair, monkeypatch):
     """Target q4, draft q8, both multiplied by Triton's kernel; K = 3, two prompts in one batch."""
     monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
-    target, draft = pair
+    target, draft = quantization_pair
     prompts = [[3, 17, 42, 7, 99, 12, 5], list(range(40, 58))]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     settings = dict(target_weights="q4", draft_weights="q8", cpu_kernels=False, kv_cache_blocks=64)

@@ -46,7 +46,7 @@ def _quantized_product_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, 
     n_block, split, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = (m_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (offsets past 2^31: a 256k vocabulary)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    i = tl.arange(0, 16)  # a half group: codes i and i + 16 of each group
+    i = tl.arange(0, 16)  # a half group: codes i and i + 16 of each group (GROUP = 32)
     m_ok, n_ok = m < rows, n < outputs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = split * groups_per_split
@@ -55,7 +55,8 @@ def _quantized_product_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, 
         x_lo = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=m_ok[:, None], other=0.0)
         x_hi = tl.load(x_ptr + m[:, None] * x_stride + (k + 16)[None, :], mask=m_ok[:, None], other=0.0)
         if FOUR_BITS:
-            byte = tl.load(codes_ptr + (k - g * 16)[:, None] * outputs + n[None, :], mask=n_ok[None, :], other=0)
+            byte = tl.load(codes_ptr + (k - g * 16)[:, None] * outputs + n[None, :],  # byte row g * 16 + i
+                           mask=n_ok[None, :], other=0)
             c_lo, c_hi = byte & 15, byte >> 4
         else:
             c_lo = tl.load(codes_ptr + k[:, None] * outputs + n[None, :], mask=n_ok[None, :], other=0)

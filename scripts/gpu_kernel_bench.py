@@ -108,7 +108,15 @@ def quantized(device: torch.device, out: Path) -> list[dict]:
     microseconds, and the bfloat16 product's time over the codes'. Rows are written as they come."""
     from specdec.model import triton_quantized as tq
 
-    rows = []
+    rows, defaults = [], (tq.BLOCK_N, tq.NUM_WARPS)
+    try:
+        _sweep_quantized(tq, device, out, rows)
+    finally:  # (the module's own configuration again, whatever stopped the sweep)
+        tq.BLOCK_N, tq.NUM_WARPS = defaults
+    return rows
+
+
+def _sweep_quantized(tq, device: torch.device, out: Path, rows: list[dict]) -> None:
     for shape, projections in PRODUCTS.items():
         for name, (fan_in, fan_out) in projections.items():
             copies = max(2, -(-4 * L2_BYTES // (fan_in * fan_out)))
@@ -141,8 +149,6 @@ def quantized(device: torch.device, out: Path) -> list[dict]:
                         (out / "gpu_quantized_bench.json").write_text(json.dumps(rows, indent=1))
                     del matrices
             del floats
-    tq.BLOCK_N, tq.NUM_WARPS = 64, 4
-    return rows
 
 
 def attention(device: torch.device) -> list[dict]:

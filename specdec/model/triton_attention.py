@@ -33,7 +33,7 @@ MAX_SPLITS = 16
 # Triton's CPU interpreter (tests) multiplies bfloat16 tiles wrongly (numpy has no bfloat16), so
 # there the products run in float32 (exact for bfloat16 inputs); a GPU multiplies half precision
 # on its tensor cores, accumulating in float32.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -155,7 +155,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, parts[0], parts[1], parts[2], block_tables, seq_lens, query_start, positions,
         q.stride(0), q.stride(1), block_tables.stride(0), scale * 1.4426950408889634, H=heads, HKV=kv_heads, D=dim,
         BS=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLITS=splits,
-        FP32_DOT=q.dtype == torch.float32 or _INTERPRETED)
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETED)
     if splits > 1:
         _merge_splits_kernel[(tokens * heads,)](*parts, out, D=dim, BLOCK_D=block_d, SPLITS=splits)
     return out

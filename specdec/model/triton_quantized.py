@@ -21,7 +21,6 @@ verifies. Larger passes (prefill chunks) take taller tiles.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +28,12 @@ import triton
 import triton.language as tl
 
 from specdec.model.quantized import GROUP, QuantizedMatrix
-from specdec.model.triton_attention import multiprocessors
+from specdec.model.triton_attention import INTERPRETED, multiprocessors
 
 SMALL_ROWS = 64  # passes of up to this many rows run the batch-invariant configuration
 BLOCK_N = 64  # outputs per program
 MIN_GROUPS_PER_SPLIT = 8  # a split of the inputs streams at least this many groups
 NUM_WARPS, NUM_STAGES = 4, 3  # the kernel's launch settings
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -172,7 +170,7 @@ def quantized_product(x: torch.Tensor, weight: DeviceCodes) -> torch.Tensor:
     _quantized_product_kernel[(triton.cdiv(outputs, BLOCK_N), splits, triton.cdiv(rows, block_m))](
         x, weight.codes, weight.scales, absent if weight.mins is None else weight.mins, bias, parts, rows, outputs,
         groups, per_split, x.stride(0), FOUR_BITS=weight.bits == 4, HAS_MINS=weight.mins is not None,
-        HAS_BIAS=weight.bias is not None, DIRECT=splits == 1, FP32_DOT=x.dtype == torch.float32 or _INTERPRETED,
+        HAS_BIAS=weight.bias is not None, DIRECT=splits == 1, FP32_DOT=x.dtype == torch.float32 or INTERPRETED,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         size = rows * outputs

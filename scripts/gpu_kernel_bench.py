@@ -12,8 +12,10 @@ whole passes). Needs only torch and Triton; run from the checkout on a CUDA mach
   one split or in the splits the kernel chooses;
 - a graph of 300 tiny kernels: what each kernel costs inside a CUDA graph however small;
 - quantized (`--only quantized`): the same projections multiplied by q8 and q4 codes
-  (model.triton_quantized) at 1 and 8 rows, against cuBLAS's bfloat16 product, for each launch
-  configuration in QUANTIZED_CONFIGS, and whether a row's bits are the same alone and in a batch.
+  (model.triton_quantized) at one row, against cuBLAS's bfloat16 product, for each launch
+  configuration in QUANTIZED_CONFIGS, and whether a row's bits are the same alone and in a batch;
+  then each launch's products summed as a step runs them (gpu_quantized_summary.json), least
+  first for the 3B target: what model.triton_quantized.LAUNCH is chosen from.
 Each time is the median of CUDA-event timings of CUDA graphs of the calls (no host launch gaps);
 a table is printed and written as JSON.
 """
@@ -35,6 +37,7 @@ from specdec.model.triton_attention import triton_paged_attention  # noqa: E402
 PRODUCTS = {"3B": {"qkv": (3072, 5120), "o_proj": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072),
                    "lm_head": (3072, 128256)},
             "1B": {"qkv": (2048, 3072), "o_proj": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}}
+LAYERS = {"3B": 28, "1B": 16}  # each projection but the LM head runs once a layer in a step
 L2_BYTES = 64 << 20
 
 
@@ -88,7 +91,9 @@ def products(device: torch.device) -> list[dict]:
     return rows
 
 
-QUANTIZED_CONFIGS = [(32, 4), (64, 4), (128, 4), (64, 8), (128, 8)]  # (BLOCK_N, num_warps) of the product
+# (block_n, step_groups, num_warps, num_stages) of the product's Launch, swept for both formats
+QUANTIZED_CONFIGS = [(128, 1, 4, 3), (64, 4, 4, 3), (64, 8, 4, 3), (128, 2, 4, 3), (128, 4, 4, 3), (128, 4, 8, 3),
+                     (128, 4, 4, 4), (128, 8, 4, 2), (256, 2, 4, 3), (256, 2, 8, 3), (256, 4, 8, 3), (256, 4, 4, 2)]
 
 
 def random_codes(bits: int, fan_in: int, fan_out: int, device: torch.device):
@@ -103,17 +108,38 @@ def random_codes(bits: int, fan_in: int, fan_out: int, device: torch.device):
 
 
 def quantized(device: torch.device, out: Path) -> list[dict]:
-    """Each projection at 1 and 8 rows: cuBLAS bfloat16 [in, out] against q8 and q4 codes through
+    """Each projection: cuBLAS bfloat16 [in, out] against q8 and q4 codes through
     model.triton_quantized, per launch configuration, over copies that do not fit the L2 cache;
-    microseconds, and the bfloat16 product's time over the codes'. Rows are written as they come."""
+    microseconds at one row (a decode step; up to SMALL_ROWS rows take the same tiles), the
+    bfloat16 product's time over the codes', and whether a row's bits are the same alone and in a
+    batch of 8. Rows are written as they come."""
     from specdec.model import triton_quantized as tq
 
-    rows, defaults = [], (tq.BLOCK_N, tq.NUM_WARPS)
+    rows, defaults = [], dict(tq.LAUNCH)
     try:
         _sweep_quantized(tq, device, out, rows)
     finally:  # (the module's own configuration again, whatever stopped the sweep)
-        tq.BLOCK_N, tq.NUM_WARPS = defaults
+        tq.LAUNCH.update(defaults)
+    summary = step_products_us(rows)
+    print(json.dumps(summary, indent=1), flush=True)
+    (out / "gpu_quantized_summary.json").write_text(json.dumps(summary, indent=1))
     return rows
+
+
+def step_products_us(rows: list[dict]) -> list[dict]:
+    """Per format and launch, the products' microseconds in one step of each model (a layer's
+    projections times its layers, plus the LM head), least first for the 3B target: how
+    model.triton_quantized's LAUNCH is chosen. cuBLAS's bfloat16 products as a row of their own."""
+    steps: dict[tuple, dict] = {}
+    for row in rows:
+        times = {tuple(row["config"]): row.get("us", float("inf"))}  # (a failed launch: never chosen)
+        if tuple(row["config"]) == QUANTIZED_CONFIGS[0]:  # (cuBLAS's time is on every row: once)
+            times["cublas_bf16"] = row["cublas_bf16_us"]
+        runs = 1 if row["product"] == "lm_head" else LAYERS[row["shape"]]
+        for launch, us in times.items():
+            step = steps.setdefault((row["bits"], launch), {"bits": row["bits"], "launch": launch})
+            step[row["shape"]] = step.get(row["shape"], 0.0) + us * runs
+    return sorted(steps.values(), key=lambda step: (step["bits"], step.get("3B", 0.0)))
 
 
 def _sweep_quantized(tq, device: torch.device, out: Path, rows: list[dict]) -> None:
@@ -121,33 +147,32 @@ def _sweep_quantized(tq, device: torch.device, out: Path, rows: list[dict]) -> N
         for name, (fan_in, fan_out) in projections.items():
             copies = max(2, -(-4 * L2_BYTES // (fan_in * fan_out)))
             floats = [torch.randn(fan_in, fan_out, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-            for m in (1, 8):
-                x = torch.randn(m, fan_in, device=device, dtype=torch.bfloat16)
-                cublas_us = graph_ms([partial(torch.matmul, x, floats[i % copies]) for i in range(2 * copies)]) * 1e3
-                for bits in (8, 4):
-                    matrices = [random_codes(bits, fan_in, fan_out, device) for _ in range(copies)]
-                    for block_n, warps in QUANTIZED_CONFIGS:
-                        tq.BLOCK_N, tq.NUM_WARPS = block_n, warps
-                        row = {"shape": shape, "product": name, "rows": m, "bits": bits, "block_n": block_n,
-                               "warps": warps, "cublas_bf16_us": round(cublas_us, 1)}
-                        try:
-                            held = [tq.DeviceCodes.build(q, None, device, torch.bfloat16) for q in matrices]
-                            us = graph_ms([partial(tq.quantized_product, x, held[i % copies])
-                                           for i in range(2 * copies)]) * 1e3
-                            row.update(us=round(us, 1), speedup=round(cublas_us / us, 2), splits=held[0].splits[0],
-                                       gbps=round(held[0].nbytes() / us / 1e3))
-                            if m == 8:  # the bits of a row alone and in the batch
-                                alone = torch.cat([tq.quantized_product(x[i:i + 1], held[0]) for i in range(m)])
-                                row["row_alone_equals_in_batch"] = torch.equal(alone, tq.quantized_product(x, held[0]))
-                                want = x.double() @ matrices[0].dequantize().double().t()
-                                row["max_rel_error"] = float((alone.double() - want).abs().max() / want.abs().max())
-                            del held
-                        except Exception as error:  # recorded; the next configuration runs
-                            row["error"] = repr(error)[:300]
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-                        (out / "gpu_quantized_bench.json").write_text(json.dumps(rows, indent=1))
-                    del matrices
+            x = torch.randn(1, fan_in, device=device, dtype=torch.bfloat16)
+            batch = torch.randn(8, fan_in, device=device, dtype=torch.bfloat16)
+            cublas_us = graph_ms([partial(torch.matmul, x, floats[i % copies]) for i in range(2 * copies)]) * 1e3
+            for bits in (8, 4):
+                matrices = [random_codes(bits, fan_in, fan_out, device) for _ in range(copies)]
+                want = batch.double() @ matrices[0].dequantize().double().t()
+                for config in QUANTIZED_CONFIGS:
+                    tq.LAUNCH[bits] = tq.Launch(*config)
+                    row = {"shape": shape, "product": name, "bits": bits, "config": config,
+                           "cublas_bf16_us": round(cublas_us, 1)}
+                    try:
+                        held = [tq.DeviceCodes.build(q, None, device, torch.bfloat16) for q in matrices]
+                        us = graph_ms([partial(tq.quantized_product, x, held[i % copies])
+                                       for i in range(2 * copies)]) * 1e3
+                        row.update(us=round(us, 1), speedup=round(cublas_us / us, 2), splits=held[0].splits[0],
+                                   gbps=round(held[0].nbytes() / us / 1e3))
+                        alone = torch.cat([tq.quantized_product(batch[i:i + 1], held[0]) for i in range(8)])
+                        row["row_alone_equals_in_batch"] = torch.equal(alone, tq.quantized_product(batch, held[0]))
+                        row["max_rel_error"] = float((alone.double() - want).abs().max() / want.abs().max())
+                        del held
+                    except Exception as error:  # recorded; the next configuration runs
+                        row["error"] = repr(error)[:300]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    (out / "gpu_quantized_bench.json").write_text(json.dumps(rows, indent=1))
+                del matrices
             del floats
 
 

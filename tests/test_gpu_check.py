@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,3 +29,21 @@ def test_the_device_check_runs_on_the_cpu_and_writes_its_reports(tmp_path):
     assert report["host_syncs_per_round"] > 0 and report["cost_ratio_c"] > 0 and report["step_over_floor"] > 0
     assert report["q8_row_alone_equals_in_8_and_40"] is True and report["q4_row_alone_equals_in_8_and_40"] is True
     assert "| speculative_greedy_equals_target_greedy_float32 | True |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_quantized_sweep_ranks_launches_by_a_targets_step():
+    """gpu_kernel_bench's summary, which model.triton_quantized.LAUNCH is chosen from: a layer's
+    projections count once a layer, the LM head once; cuBLAS's time (on every row) counts once."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_kernel_bench as bench
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    fast, slow = bench.QUANTIZED_CONFIGS[:2]
+    rows = [{"shape": "3B", "product": product, "bits": 8, "config": list(config), "cublas_bf16_us": 1.0, "us": us}
+            for product, config, us in [("qkv", fast, 2.0), ("qkv", slow, 1.0), ("lm_head", fast, 10.0),
+                                        ("lm_head", slow, 50.0)]]
+    summary = bench.step_products_us(rows)
+    assert [step["launch"] for step in summary] == ["cublas_bf16", fast, slow]
+    assert [step["3B"] for step in summary] == [28 + 1, 28 * 2 + 10, 28 + 50]

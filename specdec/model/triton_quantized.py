@@ -31,16 +31,32 @@ from specdec.model.quantized import GROUP, QuantizedMatrix
 from specdec.model.triton_attention import INTERPRETED, multiprocessors
 
 SMALL_ROWS = 64  # passes of up to this many rows run the batch-invariant configuration
-BLOCK_N = 64  # outputs per program
 MIN_GROUPS_PER_SPLIT = 8  # a split of the inputs streams at least this many groups
-NUM_WARPS, NUM_STAGES = 4, 3  # the kernel's launch settings
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the product's kernel runs for one format: outputs per program, groups loaded per loop
+    step (unrolled: more bytes in flight), warps and software-pipelining stages."""
+
+    block_n: int
+    step_groups: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen by scripts/gpu_kernel_bench.py --only quantized on an H200: per format, the least time
+# of a 3B target step's products at one row (docs/gpu-2026-11-27.md). q4 unpacks two codes a
+# byte, and did best with twice the warps on half the outputs.
+LAUNCH = {8: Launch(block_n=256, step_groups=2, num_warps=4, num_stages=3),
+          4: Launch(block_n=128, step_groups=4, num_warps=8, num_stages=3)}
 
 
 @triton.jit
 def _quantized_product_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, out_ptr, rows, outputs, groups,
                               groups_per_split, x_stride, FOUR_BITS: tl.constexpr, HAS_MINS: tl.constexpr,
                               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, FP32_DOT: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_GROUPS: tl.constexpr):
     n_block, split, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = (m_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (offsets past 2^31: a 256k vocabulary)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,27 +64,34 @@ def _quantized_product_kernel(x_ptr, codes_ptr, scales_ptr, mins_ptr, bias_ptr, 
     m_ok, n_ok = m < rows, n < outputs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = split * groups_per_split
-    for g in range(first, tl.minimum(first + groups_per_split, groups)):
-        k = (g * 32 + i).to(tl.int64)
-        x_lo = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=m_ok[:, None], other=0.0)
-        x_hi = tl.load(x_ptr + m[:, None] * x_stride + (k + 16)[None, :], mask=m_ok[:, None], other=0.0)
-        if FOUR_BITS:
-            byte = tl.load(codes_ptr + (k - g * 16)[:, None] * outputs + n[None, :],  # byte row g * 16 + i
-                           mask=n_ok[None, :], other=0)
-            c_lo, c_hi = byte & 15, byte >> 4
-        else:
-            c_lo = tl.load(codes_ptr + k[:, None] * outputs + n[None, :], mask=n_ok[None, :], other=0)
-            c_hi = tl.load(codes_ptr + (k + 16)[:, None] * outputs + n[None, :], mask=n_ok[None, :], other=0)
-        if FP32_DOT:
-            part = tl.dot(x_lo.to(tl.float32), c_lo.to(tl.float32), input_precision="ieee")
-            part += tl.dot(x_hi.to(tl.float32), c_hi.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(x_lo, c_lo.to(x_lo.dtype)) + tl.dot(x_hi, c_hi.to(x_hi.dtype))
-        scale = tl.load(scales_ptr + g * outputs + n, mask=n_ok, other=0.0).to(tl.float32)
-        acc += part * scale[None, :]
-        if HAS_MINS:
-            x_sum = tl.sum(x_lo.to(tl.float32), 1) + tl.sum(x_hi.to(tl.float32), 1)
-            acc += x_sum[:, None] * tl.load(mins_ptr + g * outputs + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    for step in range(first, tl.minimum(first + groups_per_split, groups), STEP_GROUPS):
+        for j in tl.static_range(STEP_GROUPS):  # unrolled: the step's loads are all issued together
+            g = step + j
+            k = (g * 32 + i).to(tl.int64)
+            k_ok = k < groups * 32  # (a last step past the matrix's groups adds zeros)
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            x_lo = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=x_ok, other=0.0)
+            x_hi = tl.load(x_ptr + m[:, None] * x_stride + (k + 16)[None, :], mask=x_ok, other=0.0)
+            c_ok = k_ok[:, None] & n_ok[None, :]
+            if FOUR_BITS:
+                byte = tl.load(codes_ptr + (k - g * 16)[:, None] * outputs + n[None, :],  # byte row g * 16 + i
+                               mask=c_ok, other=0)
+                c_lo, c_hi = byte & 15, byte >> 4
+            else:
+                c_lo = tl.load(codes_ptr + k[:, None] * outputs + n[None, :], mask=c_ok, other=0)
+                c_hi = tl.load(codes_ptr + (k + 16)[:, None] * outputs + n[None, :], mask=c_ok, other=0)
+            if FP32_DOT:
+                part = tl.dot(x_lo.to(tl.float32), c_lo.to(tl.float32), input_precision="ieee")
+                part += tl.dot(x_hi.to(tl.float32), c_hi.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x_lo, c_lo.to(x_lo.dtype)) + tl.dot(x_hi, c_hi.to(x_hi.dtype))
+            g_ok = n_ok & (n * 0 + g < groups)  # (a vector: the interpreter masks by vectors)
+            scale = tl.load(scales_ptr + g * outputs + n, mask=g_ok, other=0.0).to(tl.float32)
+            acc += part * scale[None, :]
+            if HAS_MINS:
+                x_sum = tl.sum(x_lo.to(tl.float32), 1) + tl.sum(x_hi.to(tl.float32), 1)
+                mins = tl.load(mins_ptr + g * outputs + n, mask=g_ok, other=0.0).to(tl.float32)
+                acc += x_sum[:, None] * mins[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if DIRECT:  # one split: the output itself
         if HAS_BIAS:
@@ -117,9 +140,10 @@ class DeviceCodes:
             codes = (halves[:, 0] | (halves[:, 1] << 4)).to(torch.uint8).reshape(inputs // 2, out)
         groups = inputs // GROUP
         device = torch.device(device)
-        programs = triton.cdiv(out, BLOCK_N)
+        launch = LAUNCH[matrix.bits]
+        programs = triton.cdiv(out, launch.block_n)
         splits = min(triton.cdiv(2 * multiprocessors(device), programs), max(1, groups // MIN_GROUPS_PER_SPLIT))
-        per_split = triton.cdiv(groups, splits)
+        per_split = triton.cdiv(triton.cdiv(groups, splits), launch.step_groups) * launch.step_groups  # whole steps
 
         def on_device(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
             return None if t is None else t.to(device=device, dtype=dtype).contiguous()
@@ -167,11 +191,13 @@ def quantized_product(x: torch.Tensor, weight: DeviceCodes) -> torch.Tensor:
     block_m = 16 if small else 64
     absent = weight.scales  # a pointer for the kernel's unused arguments
     bias = absent if weight.bias is None else weight.bias
-    _quantized_product_kernel[(triton.cdiv(outputs, BLOCK_N), splits, triton.cdiv(rows, block_m))](
+    launch = LAUNCH[weight.bits]
+    _quantized_product_kernel[(triton.cdiv(outputs, launch.block_n), splits, triton.cdiv(rows, block_m))](
         x, weight.codes, weight.scales, absent if weight.mins is None else weight.mins, bias, parts, rows, outputs,
         groups, per_split, x.stride(0), FOUR_BITS=weight.bits == 4, HAS_MINS=weight.mins is not None,
         HAS_BIAS=weight.bias is not None, DIRECT=splits == 1, FP32_DOT=x.dtype == torch.float32 or INTERPRETED,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=block_m, BLOCK_N=launch.block_n, STEP_GROUPS=launch.step_groups, num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     if splits > 1:
         size = rows * outputs
         _sum_splits_kernel[(triton.cdiv(size, 1024),)](parts, bias, out, size, outputs, SPLITS=splits,

@@ -298,7 +298,7 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
                "--draft-weights", "fp"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "adaptive/best" in printed and "worst adaptive/best" in printed
+    assert "adaptive/best" in printed and "worst adaptive/best" in printed and "A/A: plain timed twice" in printed
     written = json.loads(out.read_text())
     assert written["draft_weights"] == "fp"
     rows = written["rows"]
@@ -306,6 +306,8 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
     for r in rows:
         assert set(r["fixed"]) == {"1", "2"} and r["best"] in ("plain", "K=1", "K=2")
         assert r["vs_best"] == pytest.approx(r["adaptive"] / r["best_rate"])
+        assert r["noise"] == pytest.approx(abs(r["plain_again"] / r["plain"] - 1))  # the A/A control, never best
     assert main(["bench-policy", "--pair", "no-colon"]) == 2
+    assert main(["bench-policy", "--repeats", "0"]) == 2
     assert main(["bench-policy", "--draft-weights", "q3"]) == 2
     assert "draft.weights must be one of auto, fp, q8, q4" in capsys.readouterr().err

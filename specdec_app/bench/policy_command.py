@@ -9,6 +9,10 @@ draft (accepts almost everything, costs a target step per draft step), the n-gra
 any pair given with --pair (e.g. one trained with scripts/train_pair.py under another seed, which
 the policy was not tuned on). Noisy drafts are built once and cached (--cache-dir).
 
+A second plain run ("plain again", the A/A column) is timed like every other system: its ratio to
+the first is the row's measurement noise, which a shared machine makes large in short runs
+(--repeats times the mirrored pair of orders narrows it).
+
   specdec bench-policy                                  # every pair, batch 1 and 8, greedy and T=0.8
   specdec bench-policy --pair /work/pair2/target:/work/pair2/draft --json policy.json
 """
@@ -46,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL prompts (default: the shipped code prompts)")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per row (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="times each row runs its systems in both orders (default 1)")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated (default 1,8)")
     parser.add_argument("--temperatures", default="0,0.8", help="comma-separated; 0 = greedy (default 0,0.8)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="K_max (default 5)")
@@ -105,26 +111,31 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
     rows = []
     for mode in modes:
         for batch in batches:
-            runs = [("plain", None), ("adaptive", None)] + [("fixed", kk) for kk in range(1, k + 1)]
+            # (label, system, K): "plain again" is the A/A control, never a candidate for best
+            runs = [("plain", "plain", None), ("plain again", "plain", None), ("adaptive", "adaptive", None)] + [
+                (f"K={kk}", "fixed", kk) for kk in range(1, k + 1)]
             measured = {}
-            for order in (runs, runs[::-1]):  # mirrored: a machine drifting in speed weighs all alike
-                for system, kk in order:
-                    systems[system].warm_up(prompts, batch, mode, 0, k=kk)
-                    result = systems[system].run(prompts, batch, mode, args.max_new_tokens, 0, k=kk)
-                    tokens, seconds = measured.get((system, kk), (0, 0.0))
-                    measured[(system, kk)] = (tokens + result.tokens, seconds + result.seconds)
-                    if system == "adaptive":
-                        adaptive_result = result
-            rate = {key: tokens / seconds for key, (tokens, seconds) in measured.items()}
-            best_key = max((key for key in rate if key[0] != "adaptive"), key=rate.get)
-            row = {"pair": name, "batch": batch, "mode": mode.name, "plain": rate[("plain", None)],
-                   "adaptive": rate[("adaptive", None)],
-                   "fixed": {str(kk): rate[("fixed", kk)] for kk in range(1, k + 1)},
-                   "best": "plain" if best_key[0] == "plain" else f"K={best_key[1]}", "best_rate": rate[best_key],
+            for _ in range(args.repeats):
+                for order in (runs, runs[::-1]):  # mirrored: a machine drifting in speed weighs all alike
+                    for label, system, kk in order:
+                        systems[system].warm_up(prompts, batch, mode, 0, k=kk)
+                        result = systems[system].run(prompts, batch, mode, args.max_new_tokens, 0, k=kk)
+                        tokens, seconds = measured.get(label, (0, 0.0))
+                        measured[label] = (tokens + result.tokens, seconds + result.seconds)
+                        if system == "adaptive":
+                            adaptive_result = result
+            rate = {label: tokens / seconds for label, (tokens, seconds) in measured.items()}
+            best = max((label for label in rate if label not in ("adaptive", "plain again")), key=rate.get)
+            row = {"pair": name, "batch": batch, "mode": mode.name, "plain": rate["plain"],
+                   "plain_again": rate["plain again"], "adaptive": rate["adaptive"],
+                   "fixed": {str(kk): rate[f"K={kk}"] for kk in range(1, k + 1)},
+                   "best": best, "best_rate": rate[best],
                    "alpha": adaptive_result.alpha, "mean_k": adaptive_result.mean_k}
             row["vs_best"], row["vs_plain"] = row["adaptive"] / row["best_rate"], row["adaptive"] / row["plain"]
+            row["noise"] = abs(row["plain_again"] / row["plain"] - 1.0)  # two timings of one system
             log(f"  {name:22s} b{batch} {mode.name:6s} adaptive/best {row['vs_best']:.2f}x ({row['best']}), "
-                f"/plain {row['vs_plain']:.2f}x, alpha {_fmt(row['alpha'])}, mean K {_fmt(row['mean_k'])}")
+                f"/plain {row['vs_plain']:.2f}x, A/A {row['plain_again'] / row['plain']:.2f}x, "
+                f"alpha {_fmt(row['alpha'])}, mean K {_fmt(row['mean_k'])}")
             rows.append(row)
     return rows
 
@@ -134,11 +145,12 @@ def _fmt(value) -> str:
 
 
 def format_table(rows: list[dict], k: int) -> str:
-    head = ["pair", "batch", "mode", "alpha", "plain tok/s"] + [f"K={kk}" for kk in range(1, k + 1)] + [
+    head = ["pair", "batch", "mode", "alpha", "plain tok/s", "A/A"] + [f"K={kk}" for kk in range(1, k + 1)] + [
         "adaptive", "mean K", "best", "adaptive/best"]
     lines = [head]
     for r in rows:
-        lines.append([r["pair"], str(r["batch"]), r["mode"], _fmt(r["alpha"]), f"{r['plain']:.1f}"]
+        lines.append([r["pair"], str(r["batch"]), r["mode"], _fmt(r["alpha"]), f"{r['plain']:.1f}",
+                      f"{r['plain_again'] / r['plain']:.2f}x"]
                      + [f"{r['fixed'][str(kk)] / r['plain']:.2f}x" for kk in range(1, k + 1)]
                      + [f"{r['vs_plain']:.2f}x", _fmt(r["mean_k"]), r["best"], f"{r['vs_best']:.2f}x"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -149,6 +161,9 @@ def format_table(rows: list[dict], k: int) -> str:
     text.append(f"\nworst adaptive/best: {worst_best['vs_best']:.2f}x ({worst_best['pair']}, b{worst_best['batch']} "
                 f"{worst_best['mode']}); worst adaptive/plain: {worst_plain['vs_plain']:.2f}x ({worst_plain['pair']}, "
                 f"b{worst_plain['batch']} {worst_plain['mode']}) (K and adaptive columns: x plain)")
+    beyond = [r for r in rows if r["vs_best"] < 0.95 - r["noise"]]
+    text.append(f"A/A: plain timed twice, median difference {sorted(r['noise'] for r in rows)[len(rows) // 2]:.2f}; "
+                f"rows below 0.95x best by more than their A/A difference: {len(beyond)} of {len(rows)}")
     return "\n".join(text)
 
 
@@ -156,6 +171,8 @@ def run(args) -> int:
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.batch_sizes, args.temperatures = 2, 12, "1", "0"
     try:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         batches = [int(b) for b in args.batch_sizes.split(",")]
         modes = [Mode("greedy" if float(t) == 0 else f"T={float(t):g}", float(t)) for t in args.temperatures.split(",")]
         args.draft_weights = ServiceConfig.from_settings(**given_settings(args, ["draft_weights"])).draft.weights
@@ -170,7 +187,8 @@ def run(args) -> int:
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     log(f"specdec bench-policy: {len(family)} pairs, batch sizes {batches}, {[m.name for m in modes]}, "
-        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens, K_max {args.num_speculative_tokens}, "
+        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens x {args.repeats} x 2 orders, "
+        f"K_max {args.num_speculative_tokens}, "
         f"draft weights {args.draft_weights}; load average {load}")
     start, rows = time.perf_counter(), []
     for name, target, draft in family:

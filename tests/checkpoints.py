@@ -114,6 +114,9 @@ class JumpingK:
         self.chosen += ks
         return ks
 
+    def settled(self, req_ids) -> bool:
+        return False  # (every round chooses)
+
     def observe(self, report, greedy) -> None:
         pass
 

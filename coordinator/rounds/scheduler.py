@@ -228,6 +228,10 @@ class Scheduler:
 
     def _choose(self, runs: list[RunningRequest]) -> dict[str, int]:
         """K per request: the policy's choice under each cap, or the cap itself in fixed mode."""
+        if self.policy is not None:
+            req_ids = [run.request.req_id for run in runs]
+            if self.policy.settled(req_ids):  # (a K = 0 round costs as little as plain decoding's)
+                return dict.fromkeys(req_ids, 0)
         caps = [self._cap(run) for run in runs]
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
@@ -341,6 +345,9 @@ class Scheduler:
         may already hold its proposal) or releases are due; tokens committed meanwhile reach the
         drafter with its next task."""
         proposals: dict[str, DraftProposal] = {}
+        taking = self.predrafting is not None and self.predrafting.ready
+        if not (any(asked.values()) or self.failover.release_draft or taking):
+            return proposals  # (nothing to draft, release or take: a K = 0 round skips the tasks)
         heads: dict[str, DraftProposal] = {}  # confirmed pre-drafts that a serial task extends
         tasks = []
         for run in runs:

@@ -195,9 +195,14 @@ class SpeculationPolicy:
         self._own.pop(req_id, None)
 
     # -- the choice -----------------------------------------------------------------------------
+    def settled(self, req_ids: list[str]) -> bool:
+        """Whether the last choice settled this round of `req_ids` too (K = 0 for all, no probe):
+        the caller may skip choose() and its requests' caps (a K = 0 round's overhead)."""
+        return bool(self._quiet) and self._still_quiet(req_ids)
+
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
         self._chosen = chosen = _Chosen()
-        if self._quiet and self._still_quiet(requests):
+        if self._quiet and self._still_quiet([r.req_id for r in requests]):
             return [0] * len(requests)
         self._quiet = []
         ks = dict.fromkeys((r.req_id for r in requests), 0)
@@ -284,10 +289,10 @@ class SpeculationPolicy:
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + call + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 
-    def _still_quiet(self, requests: list[PolicyRequest]) -> bool:
+    def _still_quiet(self, req_ids: list[str]) -> bool:
         """The last choice settled this round too: the same requests (their caps only shrink),
         none seeded, no probe due at its last price and the costs not solved again since."""
-        return (len(requests) == len(self._quiet) and all(r.req_id == q for r, q in zip(requests, self._quiet))
+        return (req_ids == self._quiet
                 and not self.costs.solve_due()
                 and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
 

@@ -290,6 +290,9 @@ class _ScriptedK:
         k = self.script.pop(0) if self.script else 0
         return [min(k, r.cap) for r in requests]
 
+    def settled(self, req_ids) -> bool:
+        return False  # (every round follows the script)
+
     def observe(self, report, greedy) -> None:
         self.reports.append(report)
 

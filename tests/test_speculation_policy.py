@@ -551,3 +551,26 @@ def test_a_trees_first_depth_is_credited_with_its_own_acceptance(monkeypatch, fi
         assert ks[-100:].count(1) > 85 and tokens / seconds > 1.25 * plain_rate
     else:
         assert ks[-100:].count(2) > 50 and tokens / seconds < 1.2 * plain_rate
+
+
+def test_the_k0_overhead_script_counts_only_rounds_where_nothing_was_drafted(tmp_path_factory):
+    """scripts/k0_round_overhead.py times the rounds at K = 0 outside the target's pass: with a
+    policy that never drafts every round counts, with one that always does only a request's last
+    rounds may (its cap leaves nothing to draft)."""
+    import sys
+    from pathlib import Path
+
+    from specdec import LocalEngine, SamplingParams
+
+    from checkpoints import CONFIGS, build_checkpoint, fixed_cost_policy
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from k0_round_overhead import outside_the_pass_us
+
+    target = build_checkpoint(tmp_path_factory.mktemp("overhead-target"), seed=0, **CONFIGS["gqa_untied"])
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [list(range(1, 9)), list(range(3, 12))]
+    plain_us, plain_rounds = outside_the_pass_us(LocalEngine(str(target)), prompts, params)
+    assert plain_rounds == 2 * 6 and plain_us > 0
+    drafting = LocalEngine(str(target), draft=str(target), num_speculative_tokens=2)
+    drafting.scheduler.policy = fixed_cost_policy((1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))  # drafting is free
+    assert outside_the_pass_us(drafting, prompts, params)[1] <= len(prompts)

@@ -202,7 +202,7 @@ class SpeculationPolicy:
 
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
         self._chosen = chosen = _Chosen()
-        if self._quiet and self._still_quiet([r.req_id for r in requests]):
+        if self.settled([r.req_id for r in requests]):
             return [0] * len(requests)
         self._quiet = []
         ks = dict.fromkeys((r.req_id for r in requests), 0)

@@ -119,7 +119,8 @@ class DeviceCodes:
     """A projection's weight [in, out] as codes in the layout above, on the GPU.
     codes: [in, out] int8 (q8) or [in / 2, out] uint8 (q4); scales, mins: [in / GROUP, out]
     float16 (mins None for q8); bias: [out] in `dtype` or None; dtype: the activations'.
-    splits: how many parts the inputs of a small pass are split into, and groups per part."""
+    launch: the kernel's settings for this format when built (LAUNCH); splits: how many parts the
+    inputs of a small pass are split into, and groups per part (whole steps of that launch)."""
 
     bits: int
     codes: torch.Tensor
@@ -127,6 +128,7 @@ class DeviceCodes:
     mins: torch.Tensor | None
     bias: torch.Tensor | None
     dtype: torch.dtype
+    launch: Launch
     splits: tuple[int, int]
 
     @classmethod
@@ -150,7 +152,7 @@ class DeviceCodes:
 
         return cls(matrix.bits, on_device(codes, codes.dtype), on_device(matrix.scales.t(), torch.float16),
                    on_device(None if matrix.mins is None else matrix.mins.t(), torch.float16), on_device(bias, dtype),
-                   dtype, (triton.cdiv(groups, per_split), per_split))
+                   dtype, launch, (triton.cdiv(groups, per_split), per_split))
 
     @property
     def in_features(self) -> int:
@@ -191,7 +193,7 @@ def quantized_product(x: torch.Tensor, weight: DeviceCodes) -> torch.Tensor:
     block_m = 16 if small else 64
     absent = weight.scales  # a pointer for the kernel's unused arguments
     bias = absent if weight.bias is None else weight.bias
-    launch = LAUNCH[weight.bits]
+    launch = weight.launch  # (the one its splits were cut for)
     _quantized_product_kernel[(triton.cdiv(outputs, launch.block_n), splits, triton.cdiv(rows, block_m))](
         x, weight.codes, weight.scales, absent if weight.mins is None else weight.mins, bias, parts, rows, outputs,
         groups, per_split, x.stride(0), FOUR_BITS=weight.bits == 4, HAS_MINS=weight.mins is not None,

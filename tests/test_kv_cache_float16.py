@@ -115,7 +115,12 @@ def test_speculative_greedy_equals_plain_greedy_on_a_float16_cache(pair, adaptiv
                              num_speculative_tokens=4, adaptive=adaptive)
         outputs = engine.generate(PROMPTS, params)
         assert [o.token_ids for o in outputs] == expected, drafter
-        assert any(o.stats.acceptance_rate for o in outputs), "speculation happened"
+        # Speculation happened: an adaptive policy's first rounds ask 1 token of each request
+        # whatever the machine's speed; what it asks later follows timings, so a kept token is
+        # certain only at fixed K or with the target as its own draft.
+        assert any(o.stats.proposed_tokens for o in outputs), drafter
+        if not adaptive or drafter == target:
+            assert any(o.stats.acceptance_rate for o in outputs), drafter
         engine.target_worker.cache.check_accounting()
 
 

@@ -157,6 +157,35 @@ def test_an_unmeasured_slope_is_optimistic_and_a_prefill_round_does_not_price_ve
     assert costs.round_seconds(RoundShape(1, 0, 0, 0, 0)) == pytest.approx(STEP)
 
 
+def test_a_prediction_that_only_watches_leaves_the_next_solve_where_it_falls():
+    """scripts/round_log.py prices each round as it runs (solve=False): the fit is then solved
+    when the policy would have solved it, so the log watches the choices it would have made."""
+    costs = RoundCosts(max_fed=48, max_steps=5)
+    for _ in range(20):
+        costs.observe(RoundShape(1, 0, 0, 0, 0), STEP, 0.0, 0.0, prefill=False)
+    assert costs.solve_due()
+    assert costs.round_seconds(RoundShape(1, 0, 0, 0, 0), solve=False) == 0.0  # (never solved yet)
+    assert costs.solve_due()
+    assert costs.round_seconds(RoundShape(1, 0, 0, 0, 0)) == pytest.approx(STEP)
+    assert not costs.solve_due()
+
+
+def test_a_draft_call_measured_at_one_k_is_priced_by_its_steps():
+    """Rounds that all draft K = 5 cannot tell a draft call's constant from its steps. The fit
+    puts the cost in the steps: a shorter K is priced cheaper, so the policy tries it where it may
+    pay, and those rounds then tell the two apart. Put in the constant (the control: the steps
+    pulled towards 0 like the other terms), K = 1 is priced as dear as K = 5 and never tried."""
+    def draft_price_of_k1(costs: RoundCosts) -> float:
+        for _ in range(50):
+            costs.observe(RoundShape(6, 0, 5, 5, 1), 1.3 * STEP, 5 * 0.3 * STEP, 0.0, prefill=False)
+        return costs.round_seconds(RoundShape(2, 0, 1, 1, 1)) - costs.round_seconds(RoundShape(2, 0, 0, 0, 0))
+
+    assert draft_price_of_k1(RoundCosts(max_fed=48, max_steps=5)) == pytest.approx(0.3 * STEP, rel=0.01)
+    control = RoundCosts(max_fed=48, max_steps=5)
+    control.draft.free = 0
+    assert draft_price_of_k1(control) == pytest.approx(1.5 * STEP, rel=0.01)
+
+
 # --- the choice ----------------------------------------------------------------------------------
 
 def test_a_fresh_policy_drafts_and_well_accepted_drafts_on_a_cheap_drafter_take_the_cap():

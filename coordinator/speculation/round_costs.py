@@ -10,14 +10,17 @@ Terms, per round (RoundReport):
 
 Model: verify seconds = v0 + v1 T + v2 P; draft seconds = d0 + d1 S + d2 D + d3 C (0 when not
 called); overhead seconds = o. A pass streams the weights once (v0) and computes per token (v1):
-on a 2-core CPU v1 is about 5% of v0 at batch 1 and 8 alike, on a GPU far less. Each is a
+on a 2-core CPU v1 is 5-20% of v0 at batch 1 and 8 alike, on a GPU far less. Each is a
 least-squares fit over past rounds in which a round's weight fades by 1 - 1 / COST_MEMORY per
 later round, so the costs follow the machine (load, context growth) within tens of rounds; a
 round is counted at most twice what the fit predicted for it (on a shared CPU one round in fifty
 stalls for 10-100x its time: unclipped, such spikes set the fit's slopes).
-Slopes that the rounds seen so far cannot pin down (every round alike) are pulled towards 0, the
-optimistic guess: more tokens look free, so the policy tries them and measures them. A round that
-fed the target a prompt says nothing about verifying and is left out of the verify fit.
+Terms that the rounds seen so far cannot tell apart (every round alike) are pulled towards 0 but
+one per fit, which takes their cost: the pass's (v0) and the draft step's (d1). That is the
+optimistic guess: more verified tokens look free and a shorter K cheaper, so the policy tries them
+and measures them (were a draft call's constant to take the cost, a K shorter than the one measured
+would be priced as dear and never tried: rounds all at K = 5 would stay so). A round that fed the
+target a prompt says nothing about verifying and is left out of the verify fit.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import NamedTuple
 # of single rounds (a shared CPU's timings jump by 2x), short enough to follow a machine whose
 # load changes within a request's lifetime.
 COST_MEMORY = 50.0
-_RIDGE = 1e-6  # pull of an unmeasured slope towards 0, in (normalised) rounds: only breaks ties
+_RIDGE = 1e-6  # pull of an unmeasured term towards 0, in (normalised) rounds: only breaks ties
 # Rounds between solves once a fit has seen as many: a round moves a fit of COST_MEMORY rounds by
 # ~2%, so solving every round (tens of microseconds, as much as a K = 0 round's other policy work)
 # buys nothing.
@@ -45,15 +48,15 @@ class RoundShape(NamedTuple):
 
 
 class FadingLeastSquares:
-    """theta minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |slopes|^2,
-    on features x whose first is the constant 1 (the intercept, never pulled). Features are
+    """theta minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |theta|^2
+    but theta[free] (never pulled), on features x whose first is the constant 1. Features are
     divided by `scales` first, so one ridge suits all. Consecutive rounds of the same features
     (a steady batch at K = 0) gather as one weighted round until the features change or theta
     is read, so a round costs a few multiply-adds; theta is solved when read after each of the
     first _SOLVE_EVERY rounds, then after every _SOLVE_EVERY."""
 
-    def __init__(self, scales: list[float]):
-        self.scales = scales
+    def __init__(self, scales: list[float], free: int = 0):
+        self.scales, self.free = scales, free
         size = len(scales)
         self.fade = 1.0 - 1.0 / COST_MEMORY
         self.gram = [[0.0] * size for _ in range(size)]
@@ -76,13 +79,13 @@ class FadingLeastSquares:
     def solve_due(self) -> bool:
         return bool(self._unsolved) and (self._unsolved >= _SOLVE_EVERY or self._added <= _SOLVE_EVERY)
 
-    def per_unit(self) -> list[float]:
+    def per_unit(self, solve: bool = True) -> list[float]:
         """theta in seconds per unit of each (unscaled) feature; below 0 counted as 0 (a measured
-        slope below 0 is noise, never a saving)."""
-        if self.solve_due():
+        slope below 0 is noise, never a saving). solve=False: as last solved."""
+        if solve and self.solve_due():
             self._unsolved = 0
             self._flush()
-            self._theta = _solve(self.gram, self.moment, _RIDGE)
+            self._theta = _solve(self.gram, self.moment, _RIDGE, self.free)
             self._per_unit = [max(t, 0.0) / s for t, s in zip(self._theta, self.scales)]
             self._fitted = True
             self._set_cap()
@@ -121,14 +124,14 @@ class FadingLeastSquares:
         self.rounds *= self.fade
 
 
-def _solve(gram: list[list[float]], moment: list[float], ridge: float) -> list[float]:
-    """(gram + ridge on the diagonal but its first entry) x = moment by Gaussian elimination with
+def _solve(gram: list[list[float]], moment: list[float], ridge: float, free: int) -> list[float]:
+    """(gram + ridge on the diagonal but its entry `free`) x = moment by Gaussian elimination with
     partial pivoting (a few unknowns: plain Python is faster than numpy's call overhead);
     unknowns without data (a zero pivot) are 0."""
     n = len(moment)
     m = [row + [b] for row, b in zip(gram, moment)]
-    for i in range(1, n):
-        m[i][i] += ridge
+    for i in range(n):
+        m[i][i] += ridge if i != free else 0.0
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
@@ -153,7 +156,7 @@ class RoundCosts:
         fed = float(max(max_fed, 1))
         steps = float(max(max_steps, 1))
         self.verify = FadingLeastSquares([1.0, fed, fed])  # 1, T, P
-        self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed])  # 1, S, D, C
+        self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed], free=1)  # 1, S, D, C
         self.overhead = 0.0
         self._overhead_weight = 0.0
 
@@ -161,9 +164,10 @@ class RoundCosts:
     def rounds_seen(self) -> float:
         return self.verify.rounds
 
-    def round_seconds(self, shape: RoundShape) -> float:
-        """Predicted seconds of a round of this shape."""
-        v0, v1, v2, d0, d1, d2, d3, overhead = self.coefficients()
+    def round_seconds(self, shape: RoundShape, solve: bool = True) -> float:
+        """Predicted seconds of a round of this shape (solve=False: by the fits as last solved, so
+        that a caller who only watches leaves the next solve where it falls)."""
+        v0, v1, v2, d0, d1, d2, d3, overhead = self.coefficients(solve)
         seconds = v0 + v1 * shape.fed + v2 * shape.sampled + overhead
         if shape.steps or shape.catch_up:
             seconds += d0 + d1 * shape.steps + d2 * shape.proposed + d3 * shape.catch_up
@@ -173,11 +177,11 @@ class RoundCosts:
         """Whether coefficients() would solve a fit again (they change little in between)."""
         return self.verify.solve_due() or self.draft.solve_due()
 
-    def coefficients(self) -> tuple[float, ...]:
+    def coefficients(self, solve: bool = True) -> tuple[float, ...]:
         """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature: for a caller
         that prices many shapes of one round (the policy's choice); a draft call's terms apply only
         where it drafts."""
-        return (*self.verify.per_unit(), *self.draft.per_unit(), self.overhead)
+        return (*self.verify.per_unit(solve), *self.draft.per_unit(solve), self.overhead)
 
     def observe(self, shape: RoundShape, verify_seconds: float, draft_seconds: float, overhead_seconds: float,
                 prefill: bool) -> None:
@@ -188,8 +192,7 @@ class RoundCosts:
             self.draft.add((1.0, shape.steps, shape.proposed, shape.catch_up), draft_seconds)
         else:
             self.draft.fade_out()
-        fade = 1.0 - 1.0 / COST_MEMORY
         if self._overhead_weight:
             overhead_seconds = min(overhead_seconds, 2.0 * max(self.overhead, 1e-6))
-        self._overhead_weight = fade * self._overhead_weight + 1.0
+        self._overhead_weight = self.verify.fade * self._overhead_weight + 1.0
         self.overhead += (overhead_seconds - self.overhead) / self._overhead_weight

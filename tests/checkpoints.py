@@ -134,7 +134,7 @@ def fixed_cost_policy(coefficients: tuple[float, ...]):
     class FixedCosts(RoundCosts):
         rounds_seen = 1e9
 
-        def coefficients(self):
+        def coefficients(self, solve: bool = True):
             return coefficients
 
         def observe(self, *args, **kwargs):

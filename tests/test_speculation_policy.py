@@ -399,6 +399,33 @@ def test_a_sampled_round_is_priced_by_the_accept_test_on_every_row_padded_to_the
     assert report_shape(RoundReport(updates=updates[1:2], ran=True), {"h": False}).sampled == 0
 
 
+def test_sampled_rounds_at_k_0_settle_where_the_accept_test_is_what_keeps_drafting_from_paying(monkeypatch):
+    """At T > 0 a drafting round also runs the accept test on each row's positions (v2 each, at
+    least 2). Where that is what keeps drafting from paying, the bound counts it and the rounds at
+    K = 0 settle (choose() is not asked) but for the probes' rounds. Without it (the control) the
+    bound fails and every round runs the full choice, to the same K = 0."""
+    from checkpoints import fixed_cost_policy
+
+    def full_choices() -> tuple[int, list[int]]:
+        policy = fixed_cost_policy((STEP, 0.05 * STEP, 0.5 * STEP, 0.05 * STEP, 0.1 * STEP, 0.0, 0.0, 0.0))
+        asked, ks = 0, []
+        for _ in range(60):
+            k = 0
+            if not policy.settled(["s"]):
+                asked += 1
+                k = policy.choose([PolicyRequest("s", 5, greedy=False, seeded=False)])[0]
+            ks.append(k)
+            update = RequestUpdate("s", [1], "", num_speculative_tokens=k, proposed=k, accepted=0)
+            policy.observe(RoundReport(updates=[update], ran=True), {"s": False})
+        return asked, ks
+
+    asked, ks = full_choices()
+    assert asked <= 12 and sum(ks) == 4  # (measured: 10 choices, 4 of them probes)
+    monkeypatch.setattr(SpeculationPolicy, "_cannot_pay", lambda self, free, estimates, batch, costs, sampled, f=(
+        SpeculationPolicy._cannot_pay): f(self, free, estimates, batch, costs, False))
+    assert full_choices() == (60, ks)
+
+
 def test_a_lookup_that_finds_nothing_is_not_a_rejection():
     """A drafter that finds something to propose in one round of three (an n-gram lookup early in
     a response), always right when it does, keeps being asked where asking costs a lookup; counted

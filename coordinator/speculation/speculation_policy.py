@@ -212,14 +212,14 @@ class SpeculationPolicy:
             sampled = not all(r.greedy for r in requests)  # (then the accept test runs on every row)
             prior = {greedy: self._kind_prior(greedy) for greedy in {r.greedy for r in free}}
             estimates = [self.estimates(r, prior[r.greedy]) for r in free]
-            if self.costs.rounds_seen >= 1 and self._cannot_pay(free, estimates, len(requests), costs):
+            if self.costs.rounds_seen >= 1 and self._cannot_pay(free, estimates, len(requests), costs, sampled):
                 # At K = 0 an estimate only moves towards its prior: if tokens could not pay at
                 # the larger of the two either, the next rounds are settled too (_still_quiet;
                 # not with seeded or capped-out requests, which follow rules of their own).
                 if len(free) == len(requests):  # (a first token may be priced at alpha from the next round)
                     ceilings = [Estimate(*map(max, e, prior[r.greedy])) for r, e in zip(free, estimates)]
                     ceilings = [e._replace(first=max(e.first, e.alpha)) for e in ceilings]
-                    if self._cannot_pay(free, ceilings, len(requests), costs):
+                    if self._cannot_pay(free, ceilings, len(requests), costs, sampled):
                         self._quiet = [r.req_id for r in requests]
             else:
                 ks.update(self._merit(free, estimates, len(requests), costs, sampled))
@@ -273,12 +273,13 @@ class SpeculationPolicy:
         return {r.req_id: k for r, k in zip(free, best)}
 
     def _cannot_pay(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
-                    costs: tuple[float, ...]) -> bool:
+                    costs: tuple[float, ...], sampled: bool) -> bool:
         """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked
         tokens are worth at most min(m * the best worth, all worths) and cost at least a draft
-        call's d0 + d1 + the least catch-up plus m times the least a token costs; their ratio
-        peaks at an end or at the kink."""
-        v0, v1, _, d0, d1, d2, d3, overhead = costs
+        call's d0 + d1 + the least catch-up (+ the accept test on 2 positions of each row of a
+        sampled batch) plus m times the least a token costs; their ratio peaks at an end or at
+        the kink."""
+        v0, v1, v2, d0, d1, d2, d3, overhead = costs
         plain = v0 + v1 * batch + overhead
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
         for r, e in zip(free, estimates):
@@ -286,6 +287,7 @@ class SpeculationPolicy:
             worths += e.worth_up_to(r.cap)
         least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
         call = d0 + d1 + d3 * min(r.backlog for r in free)  # (backlogs only grow at K = 0)
+        call += 2 * v2 * batch if sampled else 0.0
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + call + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 

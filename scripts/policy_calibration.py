@@ -23,30 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.speculation import speculation_policy as policy_module  # noqa: E402
+from round_log import record_rounds  # noqa: E402  (this folder: the policy's rounds as they run)
+
 from specdec import LocalEngine, SamplingParams  # noqa: E402
-
-
-def record_rounds(rounds: list[tuple[int, float, int, int]]) -> None:
-    """Wrap the policy so that each drafting round appends (K, expected, accepted, proposed)."""
-    choose, observe = policy_module.SpeculationPolicy.choose, policy_module.SpeculationPolicy.observe
-    expected: dict[str, tuple[int, float]] = {}
-
-    def chosen(self, requests):
-        ks = choose(self, requests)
-        expected.clear()
-        for request, k in zip(requests, ks):
-            if k and not request.seeded:
-                expected[request.req_id] = (k, 1 + self.estimates(request).worth_up_to(k))
-        return ks
-
-    def observed(self, report, greedy):
-        for u in report.updates:
-            if u.req_id in expected and u.error is None and u.num_speculative_tokens:
-                rounds.append((*expected[u.req_id], u.accepted, u.proposed))
-        return observe(self, report, greedy)
-
-    policy_module.SpeculationPolicy.choose, policy_module.SpeculationPolicy.observe = chosen, observed
 
 
 def acceptance_by_depth(rounds: list[tuple[int, float, int, int]]) -> tuple[float, dict[int, float], dict]:
@@ -71,13 +50,15 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=96)
     args = parser.parse_args()
-    rounds: list[tuple[int, float, int, int]] = []
-    record_rounds(rounds)
     prompts = [json.loads(line)["prompt"] for line in open(args.prompts)][:args.count]
     engine = LocalEngine(target=args.target, draft=args.draft, num_speculative_tokens=5)
+    logged: list[dict] = []
+    record_rounds(engine.scheduler.policy, logged)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature)
     for prompt in prompts:  # one at a time: batch 1
         engine.generate([prompt], params)
+    # (K, expected, accepted, proposed) of each drafting round: at batch 1 a round is its request's
+    rounds = [(row["k"][0], row["expected"], row["accepted"], row["proposed"]) for row in logged if row["k"][0]]
     pooled, rates, tested = acceptance_by_depth(rounds)
     print(f"{args.draft} T={args.temperature}: {len(rounds)} drafting rounds; acceptance pooled {pooled:.3f}, "
           "by depth " + " ".join(f"{d}: {r:.2f} ({tested[d]})" for d, r in rates.items()))

@@ -62,6 +62,9 @@ def main() -> int:
     pooled, rates, tested = acceptance_by_depth(rounds)
     print(f"{args.draft} T={args.temperature}: {len(rounds)} drafting rounds; acceptance pooled {pooled:.3f}, "
           "by depth " + " ".join(f"{d}: {r:.2f} ({tested[d]})" for d, r in rates.items()))
+    weights = engine.scheduler.policy.prior_weights  # (each kind's, as learnt by the end of the run)
+    print("prior weight: " + ", ".join(f"{'greedy' if kind else 'sampled'} {w.weight:g}"
+                                       for kind, w in weights.items()))
     print("| K | rounds | policy expected | committed | pooled geometric | per-depth rates |")
     print("|---|---|---|---|---|---|")
     by_k = collections.defaultdict(list)

@@ -30,3 +30,4 @@ def test_the_script_prints_its_table_on_the_shipped_pair():
                           "--new-tokens", "12"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "drafting rounds; acceptance pooled" in run.stdout and "| K | rounds |" in run.stdout
+    assert "prior weight: greedy " in run.stdout and ", sampled 4\n" in run.stdout  # (none sampled: the least)

@@ -3,6 +3,7 @@ costs, probes that keep K = 0 from being a trap, and the seeded requests' rule t
 own history only. Each named constant has a test that shows what goes wrong without it."""
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -282,6 +283,57 @@ def test_one_unlucky_round_does_not_end_speculation(monkeypatch):
     assert k_after_one_miss() >= 2  # on merit
     monkeypatch.setattr(policy_module, "PRIOR_WEIGHT", 1e-9)
     assert k_after_one_miss() <= 1  # at most a probe's 1 token
+
+
+def requests_one_after_another(policy: SpeculationPolicy, rates: list[float], greedy_kind: bool,
+                               rounds: int = 30) -> list[tuple[int, float, int]]:
+    """Requests of one kind run one at a time (`rounds` rounds each), the n-th accepting each
+    token with probability rates[n % len(rates)]: (K, expected committed tokens, committed) of
+    every drafting round, expected as the policy's estimates priced the round it chose."""
+    machine, draws, rows = Machine(), random.Random(0), []
+    asks = {f"r{n}": (PolicyRequest(f"r{n}", 5, greedy=greedy_kind, seeded=False), rates[n % len(rates)])
+            for n in range(60)}
+
+    def accepts(req_id, k):
+        ask, rate = asks[req_id]
+        e = policy.estimates(ask)
+        kept = next((i for i in range(k) if draws.random() >= rate), k)
+        rows.append((k, expected_tokens(e.alpha, k, e.coverage, e.first), 1 + kept))
+        return kept
+    for ask, _ in asks.values():
+        for _ in range(rounds):
+            run_round(policy, machine, [ask], accepts)
+    return rows
+
+
+def test_where_requests_accept_alike_the_prior_weighs_more_and_each_k_commits_what_was_expected(monkeypatch):
+    """PriorWeight: sampled requests that all accept 0.75 of their tokens. With the constant
+    weight (and the pool's short memory that goes with it) a request's few tested tokens decide
+    its K: a long K is chosen where they ran high by chance and commits less than expected, a
+    short one where they ran low and commits more (the winner's curse, both ways). The learnt
+    weight leans on a pool of long memory: the rounds at each K commit what was expected."""
+    def miscalibration(policy: SpeculationPolicy) -> float:
+        """|expected - committed| of the rounds at each K, averaged over the drafting rounds."""
+        by_k = collections.defaultdict(list)
+        for k, expected, committed in requests_one_after_another(policy, [0.75], greedy_kind=False):
+            by_k[k].append(expected - committed)
+        assert sum(map(len, by_k.values())) >= 1000
+        return sum(abs(sum(gaps)) for gaps in by_k.values()) / sum(map(len, by_k.values()))
+
+    policy = new_policy()
+    assert miscalibration(policy) < 0.1  # (measured 0.04)
+    assert policy.prior_weights[False].weight >= 8 * policy_module.PRIOR_WEIGHT
+    monkeypatch.setattr(policy_module.PriorWeight, "score", lambda *_: None)  # the constant weight
+    assert miscalibration(new_policy()) > 0.2  # (measured 0.30)
+
+
+def test_where_requests_differ_their_own_tokens_decide_and_the_good_ones_draft_at_the_cap():
+    """PriorWeight: greedy requests that accept 0.95 and 0.2 by turns: each one's own tokens
+    predict it, the prior keeps its least weight and a good request is not held to the pool."""
+    policy = new_policy()
+    requests_one_after_another(policy, [0.95, 0.2], greedy_kind=True)
+    assert policy.prior_weights[True].weight == policy_module.PRIOR_WEIGHT
+    assert policy.choose([greedy("r58")]) == [5]  # (a 0.95 request, 30 rounds in)
 
 
 class MarkovText:

@@ -4,15 +4,14 @@ The model:
 - A request's k-th asked token is worth coverage * first * alpha^(k - 1) committed tokens:
   coverage, the share of asked tokens the drafter proposes (1 for a model; an n-gram lookup may
   find nothing: no rejection, a lookup's cost); alpha, a proposed token's acceptance; first, the
-  first asked depth's, which has a rate of its own where it differs (else first = alpha): a
-  chain's right after a round that rejected a token (measured, greedy: a draft just wrong is wrong
-  again at the next token 0.4-0.7 of the time, 0.03-0.14 after a round that kept everything), a
-  tree's always (its first depth has several children). An unmeasured first is no better than alpha.
-- Each rate = (hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT); a token is tested up to the
-  first rejected one. The counts fade by DECAY every round the request takes part in (at K = 0
-  too: old evidence gives way to the prior). The prior is the pool: the same rates over all
-  requests of the same kind (greedy or sampled), fading by DECAY per PRIOR_WEIGHT tokens, from
-  INITIAL_ACCEPTANCE and coverage 1.
+  first asked depth's, with a rate of its own where it differs (else alpha): a chain's after a
+  round that rejected a token (greedy: a draft just wrong is wrong again 0.4-0.7 of the time,
+  else 0.03-0.14), a tree's always. An unmeasured first is no better than alpha.
+- Each rate = (hits + w * prior) / (trials + w); a token is tested up to the first rejected one.
+  The counts fade by DECAY every round the request takes part in (at K = 0 too: old evidence gives
+  way to the prior). The prior is the pool: the same rates over all requests of one kind (greedy
+  or sampled), fading by DECAY per w tokens, from INITIAL_ACCEPTANCE and coverage 1. w is the
+  kind's (coverage's: PRIOR_WEIGHT): of PRIOR_WEIGHT * 2^j, the one best predicting tokens tested.
 - A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
@@ -60,14 +59,12 @@ class Estimate(NamedTuple):
         return self.coverage * self.first * self.alpha ** (k - 1)
 
     def worth_up_to(self, k: int) -> float:
-        """Committed tokens the first k asked tokens add: coverage first (1 + alpha + ... +
-        alpha^(k-1)), alpha < 1."""
+        """Committed tokens the first k asked tokens add: coverage first (1 + ... + alpha^(k-1))."""
         return self.coverage * self.first * (1.0 - self.alpha ** k) / (1.0 - self.alpha)
 
 
 def expected_tokens(alpha: float, k: int, coverage: float = 1.0, first: float | None = None) -> float:
-    """Tokens a round asking K commits: 1 + the worth of its K tokens (first: the first depth's
-    acceptance, alpha's by default)."""
+    """Tokens a round asking K commits: 1 + its K tokens' worth (first: alpha's by default)."""
     return 1.0 + Estimate(alpha, coverage, alpha if first is None else first).worth_up_to(k)
 
 
@@ -84,9 +81,26 @@ class PolicyRequest(NamedTuple):
     backlog: int = 0  # committed tokens the drafter has not seen beyond one round's worth
 
 
-def _rate(hits: float, trials: float, prior: float) -> float:
-    rate = (hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT)  # (<= 1: hits <= trials)
-    return rate if rate < _ALPHA_MAX else _ALPHA_MAX
+def _rate(hits: float, trials: float, prior: float, weight: float) -> float:
+    return min((hits + weight * prior) / (trials + weight), _ALPHA_MAX)  # (<= 1: hits <= trials)
+
+
+class PriorWeight:
+    """A kind's prior weight w (the model above), by the squared error each candidate's rates make
+    on the tokens tested. Where requests differ little (sampled acceptance) their few own tokens
+    are noise, and a K chosen on them commits less or more than expected (the winner's curse)."""
+
+    def __init__(self):
+        self.errors = [0.0] * 7  # by j: candidate PRIOR_WEIGHT * 2^j, never below the constant
+        self.weight = PRIOR_WEIGHT
+
+    def score(self, own: Evidence, counts: tuple[int, ...], prior: float) -> None:
+        """A round's tokens of alpha (counts: as Evidence.add's) against the request's rate before it."""
+        hits, trials = counts[0] - counts[4], counts[1] - counts[5]
+        for j in range(len(self.errors)):
+            p = own.alpha(prior, PRIOR_WEIGHT * 2 ** j)
+            self.errors[j] += hits * (1.0 - p) ** 2 + (trials - hits) * p * p
+        self.weight = PRIOR_WEIGHT * 2 ** min(range(len(self.errors)), key=self.errors.__getitem__)
 
 
 @dataclass
@@ -105,26 +119,24 @@ class Evidence:
     first_tested: float = 0.0
     missed: bool = False  # the last round rejected a proposed token (a chain's next first: `first`)
 
-    def alpha(self, prior: float) -> float:
+    def alpha(self, prior: float, weight: float) -> float:
         """The rate of the tokens not counted in `first`."""
-        return _rate(self.accepted - self.first_accepted, self.tested - self.first_tested, prior)
+        return _rate(self.accepted - self.first_accepted, self.tested - self.first_tested, prior, weight)
 
-    def first(self, prior: float) -> float:
-        return _rate(self.first_accepted, self.first_tested, prior)
+    def first(self, prior: float, weight: float) -> float:
+        return _rate(self.first_accepted, self.first_tested, prior, weight)
 
     def coverage(self, prior: float) -> float:
         return (self.proposed + PRIOR_WEIGHT * prior) / (self.asked + PRIOR_WEIGHT)  # (<= 1: proposed <= asked)
 
-    def add(self, accepted: float, tested: float, proposed: float, asked: float, fade: float | None = None,
-            coverage_fade: float | None = None, first_accepted: float = 0.0, first_tested: float = 0.0) -> None:
+    def add(self, accepted: float, tested: float, proposed: float, asked: float, first_accepted: float = 0.0,
+            first_tested: float = 0.0, fade: float | None = None, coverage_fade: float | None = None) -> None:
         fade = DECAY if fade is None else fade
-        self.accepted = fade * self.accepted + accepted
-        self.tested = fade * self.tested + tested
+        self.accepted, self.tested = fade * self.accepted + accepted, fade * self.tested + tested
         self.first_accepted = fade * self.first_accepted + first_accepted
         self.first_tested = fade * self.first_tested + first_tested
         coverage_fade = fade if coverage_fade is None else coverage_fade
-        self.proposed = coverage_fade * self.proposed + proposed
-        self.asked = coverage_fade * self.asked + asked
+        self.proposed, self.asked = coverage_fade * self.proposed + proposed, coverage_fade * self.asked + asked
 
     def probed(self, brought_back: bool) -> None:
         self.rounds_at_zero = 0
@@ -137,14 +149,10 @@ class Evidence:
 _NO_EVIDENCE = Evidence()  # (read only) a request's before its first round
 
 
-class _Chosen:
+class _Chosen(NamedTuple):
     """The probes choose() chose for the round about to run, for observe() to record."""
-
-    __slots__ = ("probes", "seeded_probes")
-
-    def __init__(self):
-        self.probes: dict[str, bool] = {}  # req_id -> greedy, of the unseeded probes
-        self.seeded_probes: set[str] = set()
+    probes: dict[str, bool]  # req_id -> greedy, of the unseeded probes
+    seeded_probes: set[str]
 
 
 class SpeculationPolicy:
@@ -157,7 +165,8 @@ class SpeculationPolicy:
         self.branches, self.side_depth = branches, side_depth
         self._own: dict[str, Evidence] = {}
         self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
-        self._chosen = _Chosen()
+        self.prior_weights = {True: PriorWeight(), False: PriorWeight()}  # by greedy
+        self._chosen = _Chosen({}, set())
         self._quiet: list[str] = []  # the requests of a round that settled the next ones (_still_quiet)
         self._probe_prices = {True: 1.0, False: 1.0}  # by greedy: the last price of a probe, in rounds
 
@@ -168,7 +177,7 @@ class SpeculationPolicy:
         if prior is None:
             prior = _initial() if request.seeded else self._kind_prior(request.greedy)
         own = self._own.get(request.req_id) or _NO_EVIDENCE
-        rates = self._rates(own, prior)
+        rates = self._rates(own, prior, PRIOR_WEIGHT if request.seeded else self.prior_weights[request.greedy].weight)
         return rates if self._first_apart(own) else rates._replace(first=rates.alpha)
 
     def _first_apart(self, evidence: Evidence) -> bool:
@@ -176,13 +185,13 @@ class SpeculationPolicy:
         return self.branches > 1 or evidence.missed
 
     @staticmethod
-    def _rates(evidence: Evidence, prior: Estimate) -> Estimate:
-        """The rates of `evidence` over `prior`; an unmeasured first rate is no better than alpha."""
-        alpha = evidence.alpha(prior.alpha)
-        return Estimate(alpha, evidence.coverage(prior.coverage), evidence.first(min(prior.first, alpha)))
+    def _rates(evidence: Evidence, prior: Estimate, weight: float) -> Estimate:
+        """The rates of `evidence` over `prior` of `weight`; an unmeasured first is no better than alpha."""
+        alpha = evidence.alpha(prior.alpha, weight)
+        return Estimate(alpha, evidence.coverage(prior.coverage), evidence.first(min(prior.first, alpha), weight))
 
     def _kind_prior(self, greedy: bool) -> Estimate:
-        return self._rates(self._pool[greedy], _initial())
+        return self._rates(self._pool[greedy], _initial(), PRIOR_WEIGHT)
 
     def export(self, req_id: str) -> Evidence | None:
         """A request's own history, to carry to another replica's policy (`adopt`)."""
@@ -201,7 +210,7 @@ class SpeculationPolicy:
         return bool(self._quiet) and self._still_quiet(req_ids)
 
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
-        self._chosen = chosen = _Chosen()
+        self._chosen = chosen = _Chosen({}, set())
         if self.settled([r.req_id for r in requests]):
             return [0] * len(requests)
         self._quiet = []
@@ -227,7 +236,8 @@ class SpeculationPolicy:
                 kind = [r for r in free if r.greedy == greedy]
                 price = float("inf")  # (no probe of this kind now)
                 if kind and not any(ks[r.req_id] for r in kind) and self._worth_probing(costs):
-                    probe = max(kind, key=lambda r: (self._rounds_at_zero(r), -r.backlog))
+                    probe = max(kind, key=lambda r: ((self._own.get(r.req_id) or _NO_EVIDENCE).rounds_at_zero,
+                                                     -r.backlog))
                     price = self._probe_rounds(probe, len(requests), costs, sampled)  # (grows with the backlog)
                     if pool.probe_due(price):
                         ks[probe.req_id], chosen.probes[probe.req_id] = 1, greedy
@@ -235,9 +245,8 @@ class SpeculationPolicy:
                 self._probe_prices[greedy] = price
         for r in requests:
             if r.seeded and r.cap > 0:
-                evidence = self._own.get(r.req_id) or _NO_EVIDENCE
                 ks[r.req_id] = self._seeded_choice(self.estimates(r), r.cap)
-                if ks[r.req_id] == 0 and evidence.probe_due():
+                if ks[r.req_id] == 0 and (self._own.get(r.req_id) or _NO_EVIDENCE).probe_due():
                     ks[r.req_id] = 1
                     chosen.seeded_probes.add(r.req_id)
         return [ks[r.req_id] for r in requests]
@@ -253,8 +262,7 @@ class SpeculationPolicy:
         plain = v0 + v1 * batch + overhead
         order = sorted(((e.worth(k), i) for i, (r, e) in enumerate(zip(free, estimates))
                         for k in range(1, r.cap + 1)), key=lambda pair: -pair[0])
-        ks = [0] * len(free)
-        tokens = float(batch)
+        ks, tokens = [0] * len(free), float(batch)
         verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
         best_rate, best = tokens / max(plain, 1e-9), list(ks)
         for worth, i in order:
@@ -286,8 +294,7 @@ class SpeculationPolicy:
             top, least_coverage, most = max(top, e.worth(1)), min(least_coverage, e.coverage), most + r.cap
             worths += e.worth_up_to(r.cap)
         least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
-        call = d0 + d1 + d3 * min(r.backlog for r in free)  # (backlogs only grow at K = 0)
-        call += 2 * v2 * batch if sampled else 0.0
+        call = d0 + d1 + d3 * min(r.backlog for r in free) + 2 * v2 * batch * sampled  # (backlogs grow at K = 0)
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + call + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 
@@ -298,15 +305,10 @@ class SpeculationPolicy:
                 and not self.costs.solve_due()
                 and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
 
-    def _rounds_at_zero(self, request: PolicyRequest) -> int:
-        own = self._own.get(request.req_id)
-        return own.rounds_at_zero if own is not None else 0
-
     def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...], sampled: bool) -> float:
-        """What drafting 1 token for `request` adds to a round (a draft call that catches up its
-        backlog and takes one step, one more verified token, the accept test on 2 positions of
-        each row of a sampled batch), in plain rounds of this batch, at least 1: a price below a
-        round rests on slopes that few rounds measured."""
+        """What drafting 1 token for `request` adds to a round (a draft call that catches up its backlog
+        and takes one step, one more verified token, the accept test on 2 positions of each row of a
+        sampled batch) in plain rounds of this batch, at least 1 (a lower price rests on few rounds)."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
         price = (v1 + d2) * self._nodes(1) + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
@@ -339,14 +341,13 @@ class SpeculationPolicy:
         """Fold a round that ran into the estimates and the costs (`greedy`: req_id -> greedy)."""
         chosen, drafted = self._chosen, {True: False, False: False}
         pooled = {True: [0] * 6, False: [0] * 6}  # by kind: Evidence.add's counts, as `counts` below
+        priors: dict[bool, Estimate] = {}  # by kind, as the round found it (computed when needed)
         for update in report.updates:
             req_id, asked = update.req_id, update.num_speculative_tokens
             if update.error is not None:
                 self._own.pop(req_id, None)
                 continue
-            own = self._own.get(req_id)
-            if own is None:
-                own = self._own[req_id] = Evidence()
+            own = self._own.get(req_id) or self._own.setdefault(req_id, Evidence())
             if update.finished:
                 del self._own[req_id]  # (its last round still counts for its kind)
             if not asked:  # (the common round at K = 0: only fading)
@@ -358,9 +359,12 @@ class SpeculationPolicy:
             tested = accepted + (accepted < proposed)
             first = self._first_apart(own)  # (the first depth counted apart)
             counts = (accepted, tested, proposed, asked, min(accepted, 1) * first, min(proposed, 1) * first)
-            own.add(*counts[:4], first_accepted=counts[4], first_tested=counts[5])
-            own.missed = accepted < proposed
             kind = greedy.get(req_id, True)
+            if tested > counts[5]:  # tokens of alpha: they choose the kind's prior weight
+                prior = priors.get(kind) or priors.setdefault(kind, self._kind_prior(kind))
+                self.prior_weights[kind].score(own, counts, prior.alpha)
+            own.add(*counts)
+            own.missed = accepted < proposed
             pooled[kind] = [total + n for total, n in zip(pooled[kind], counts)]
             if req_id in chosen.seeded_probes:
                 own.probed(brought_back=False)
@@ -370,11 +374,10 @@ class SpeculationPolicy:
                 drafted[kind] = True
                 own.probed(brought_back=True)
         for kind, pool in self._pool.items():
-            accepted, tested, proposed, asked, first_accepted, first_tested = pooled[kind]
-            if asked:  # fading by DECAY per PRIOR_WEIGHT tokens tested (asked): a memory of ~40
-                pool.add(accepted, tested, proposed, asked, fade=DECAY ** (tested / PRIOR_WEIGHT),
-                         coverage_fade=DECAY ** (asked / PRIOR_WEIGHT), first_accepted=first_accepted,
-                         first_tested=first_tested)
+            counts = pooled[kind]  # (accepted, tested, proposed, asked, first_accepted, first_tested)
+            if counts[3]:  # fading by DECAY per w tokens tested (by PRIOR_WEIGHT asked): a memory of ~10 w
+                pool.add(*counts, fade=DECAY ** (counts[1] / self.prior_weights[kind].weight),
+                         coverage_fade=DECAY ** (counts[3] / PRIOR_WEIGHT))
             if drafted[kind]:
                 pool.probed(brought_back=True)
             elif kind in chosen.probes.values():
@@ -383,7 +386,7 @@ class SpeculationPolicy:
                 pool.rounds_at_zero += 1
         self.costs.observe(report_shape(report, greedy), report.verify_seconds, report.draft_seconds,
                            report.overhead_seconds, prefill=report.target_prefill > 0)
-        self._chosen = _Chosen()
+        self._chosen = _Chosen({}, set())
 
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:

@@ -15,8 +15,8 @@ The model:
 - A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
-  bound settles the rounds where no token could pay, and the next ones too while nothing that
-  could change that changes (K = 0 rounds cost little to choose).
+  round where no token could pay even at each rate's ceiling (a bound, else the choice) settles the
+  next ones too while nothing that could change that changes (K = 0 rounds cost little to choose).
 - Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
   interval, its request longest without drafting (the smaller backlog among equals) drafts 1
   token. The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL after each probe that
@@ -221,17 +221,17 @@ class SpeculationPolicy:
             sampled = not all(r.greedy for r in requests)  # (then the accept test runs on every row)
             prior = {greedy: self._kind_prior(greedy) for greedy in {r.greedy for r in free}}
             estimates = [self.estimates(r, prior[r.greedy]) for r in free]
-            if self.costs.rounds_seen >= 1 and self._cannot_pay(free, estimates, len(requests), costs, sampled):
-                # At K = 0 an estimate only moves towards its prior: if tokens could not pay at
-                # the larger of the two either, the next rounds are settled too (_still_quiet;
-                # not with seeded or capped-out requests, which follow rules of their own).
-                if len(free) == len(requests):  # (a first token may be priced at alpha from the next round)
-                    ceilings = [Estimate(*map(max, e, prior[r.greedy])) for r, e in zip(free, estimates)]
-                    ceilings = [e._replace(first=max(e.first, e.alpha)) for e in ceilings]
-                    if self._cannot_pay(free, ceilings, len(requests), costs, sampled):
-                        self._quiet = [r.req_id for r in requests]
-            else:
+            if self.costs.rounds_seen < 1 or not self._cannot_pay(free, estimates, len(requests), costs, sampled):
                 ks.update(self._merit(free, estimates, len(requests), costs, sampled))
+            if len(free) == len(requests) and not any(ks.values()):
+                # At K = 0 an estimate only moves towards its prior: if no token could pay at the larger of
+                # the two either (the bound, else the choice), the next rounds settle too (_still_quiet; not
+                # with seeded or capped-out requests, rules of their own; a first may be priced at alpha next).
+                ceilings = [Estimate(*map(max, e, prior[r.greedy])) for r, e in zip(free, estimates)]
+                ceilings = [e._replace(first=max(e.first, e.alpha)) for e in ceilings]
+                if (self._cannot_pay(free, ceilings, len(requests), costs, sampled)
+                        or not any(self._merit(free, ceilings, len(requests), costs, sampled).values())):
+                    self._quiet = [r.req_id for r in requests]
             for greedy, pool in self._pool.items():
                 kind = [r for r in free if r.greedy == greedy]
                 price = float("inf")  # (no probe of this kind now)

@@ -290,14 +290,15 @@ def requests_one_after_another(policy: SpeculationPolicy, rates: list[float], gr
     """Requests of one kind run one at a time (`rounds` rounds each), the n-th accepting each
     token with probability rates[n % len(rates)]: (K, expected committed tokens, committed) of
     every drafting round, expected as the policy's estimates priced the round it chose."""
-    machine, draws, rows = Machine(), random.Random(0), []
+    machine, rows = Machine(), []
+    by_rate = {rate: each_token_accepted(rate, seed) for seed, rate in enumerate(dict.fromkeys(rates))}
     asks = {f"r{n}": (PolicyRequest(f"r{n}", 5, greedy=greedy_kind, seeded=False), rates[n % len(rates)])
             for n in range(60)}
 
     def accepts(req_id, k):
         ask, rate = asks[req_id]
         e = policy.estimates(ask)
-        kept = next((i for i in range(k) if draws.random() >= rate), k)
+        kept = by_rate[rate](req_id, k)
         rows.append((k, expected_tokens(e.alpha, k, e.coverage, e.first), 1 + kept))
         return kept
     for ask, _ in asks.values():

@@ -4,7 +4,7 @@ A tiny-vocabulary target lets us enumerate every 3-token continuation and comput
 probability with Hugging Face's own logits processors; thousands of seeded speculative runs are
 then compared with a chi-square test, for each drafter.
 """
-import itertools
+import functools
 
 import numpy as np
 import pytest
@@ -49,6 +49,16 @@ def models(tmp_path_factory):
 
 def exact_distribution(model_dir, params: dict, new: int = NEW, prompt: list[int] = PROMPT,
                        ) -> dict[tuple[int, ...], float]:
+    """P(seq) for every continuation of `new` tokens, by Hugging Face's model and processors."""
+    return dict(_exact_distribution(str(model_dir), tuple(sorted(params.items())), new, tuple(prompt)))
+
+
+@functools.cache
+def _exact_distribution(model_dir: str, params: tuple, new: int, prompt: tuple[int, ...],
+                        ) -> tuple[tuple[tuple[int, ...], float], ...]:
+    # One forward per prefix, not per (sequence, position): the tests share a few of these, and
+    # each probability is the same product in the same order either way.
+    params = dict(params)
     model = LlamaForCausalLM.from_pretrained(model_dir).eval()
     processors = LogitsProcessorList()
     if params.get("repetition_penalty", 1.0) != 1.0:
@@ -58,18 +68,19 @@ def exact_distribution(model_dir, params: dict, new: int = NEW, prompt: list[int
         processors.append(TopKLogitsWarper(params["top_k"]))
     if params.get("top_p", 1.0) < 1.0:
         processors.append(TopPLogitsWarper(params["top_p"]))
-    dist = {}
-    for seq in itertools.product(range(VOCAB), repeat=new):
-        prob = 1.0
-        for i in range(new):
-            ids = torch.tensor([prompt + list(seq[:i])])
-            with torch.no_grad():
-                scores = processors(ids, model(ids).logits[:, -1, :])
-            prob *= torch.softmax(scores, dim=-1)[0, seq[i]].item()
+    prefixes = {(): 1.0}
+    for _ in range(new):
+        longer = {}
+        for prefix, prob in prefixes.items():
             if prob == 0.0:
-                break
-        dist[seq] = prob
-    return dist
+                longer.update({prefix + (t,): 0.0 for t in range(VOCAB)})
+                continue
+            ids = torch.tensor([list(prompt) + list(prefix)])
+            with torch.no_grad():
+                next_probs = torch.softmax(processors(ids, model(ids).logits[:, -1, :]), dim=-1)[0]
+            longer.update({prefix + (t,): prob * next_probs[t].item() for t in range(VOCAB)})
+        prefixes = longer
+    return tuple(sorted(prefixes.items()))
 
 
 def chi_square_pvalue(samples: list[tuple[int, ...]], dist: dict) -> float:

@@ -52,9 +52,17 @@ def reference(models):
 
 
 @pytest.fixture(scope="module")
-def served(models):
+def server(models):
     with serving(models) as handle:
         yield handle
+
+
+@pytest.fixture
+def served(server):
+    """The module's server, idle: a request an earlier test cancelled has ended (while its abort
+    is on the way it still runs rounds, and a gate set then would hold one of those instead)."""
+    assert wait_until(lambda: server.scheduler.num_active == 0)
+    return server
 
 
 # --- the embedded server -------------------------------------------------------------------

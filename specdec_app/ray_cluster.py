@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import ray
@@ -52,9 +53,10 @@ def ray_is_up(timeout_s: float = 0.5) -> bool:
         return False
 
 
-def get_while_up(refs, timeout_s: float, poll_s: float = 0.5):
-    """ray.get(refs) for up to timeout_s, giving up as soon as Ray itself is gone (TimeoutError
-    either way): a call on the shutdown path must not outlive the cluster it waits on."""
+def get_while_up(refs, timeout_s: float, poll_s: float = 0.5, stop: threading.Event | None = None):
+    """ray.get(refs) for up to timeout_s, giving up as soon as Ray itself is gone or `stop` is set
+    (TimeoutError each way): a call on the shutdown path must not outlive the cluster it waits on,
+    nor a caller's wait the work it was for."""
     deadline = time.monotonic() + timeout_s
     pending = list(refs) if isinstance(refs, list) else [refs]
     while True:
@@ -64,6 +66,8 @@ def get_while_up(refs, timeout_s: float, poll_s: float = 0.5):
             return ray.get(refs, timeout=poll_s)
         if left <= poll_s:
             raise TimeoutError(f"no answer within {timeout_s:g}s")
+        if stop is not None and stop.is_set():
+            raise TimeoutError("stopped")
         if not ray_is_up():
             raise TimeoutError("Ray is gone")
 

@@ -25,6 +25,7 @@ from specdec_app.engine import LocalEngine
 from specdec_app.loadtest.local_ray import local_config, local_deployment, machine_cpus
 from specdec_app.loadtest.records import LoadConfig, LoadReport
 from specdec_app.loadtest.streams import run_streams
+from specdec_app.ray_cluster import get_while_up
 
 
 @dataclass
@@ -47,24 +48,14 @@ def _killer(deployment, every_s: float, stop: threading.Event, report: ChaosRepo
     start = time.monotonic()
     while not stop.wait(every_s):
         role = rng.choice(sorted(workers))
-        pid = _pid_unless_stopped(workers[role], stop, max(every_s, 30.0))
-        if pid is None or stop.is_set():  # still restarting from the last kill: try the next tick
+        try:  # (in short waits: the killer stops with the load, not after a worker's restart)
+            pid = get_while_up(workers[role].pid.remote(), max(every_s, 30.0), poll_s=0.2, stop=stop)
+        except Exception:  # noqa: BLE001 - still restarting from the last kill: try the next tick
             continue
+        if stop.is_set():
+            break
         os.kill(pid, signal.SIGKILL)
         report.kills.append({"at_s": round(time.monotonic() - start, 1), "worker": role, "pid": pid})
-
-
-def _pid_unless_stopped(actor, stop: threading.Event, limit_s: float) -> int | None:
-    """The worker's pid, or None where it does not answer within `limit_s` or the load ends first:
-    asked in short waits, so that the killer stops with the load, not after a worker's restart."""
-    asked, deadline = actor.pid.remote(), time.monotonic() + limit_s
-    while not ray.wait([asked], timeout=0.2)[0]:
-        if stop.is_set() or time.monotonic() > deadline:
-            return None
-    try:
-        return ray.get(asked)
-    except Exception:  # noqa: BLE001 - died again while answering
-        return None
 
 
 def _replay(config: ServiceConfig, load: LoadConfig, records, chaos: ChaosReport) -> None:

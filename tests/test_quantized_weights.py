@@ -6,11 +6,9 @@ token for token, sampled in distribution)."""
 import itertools
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from test_sampling_distribution import PROMPT, SHAPE, chi_square_pvalue
-from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from test_sampling_distribution import PROMPT, SHAPE, chi_square_pvalue, continuation_probs, hf_processors
 
 from specdec import LocalEngine, SamplingParams
 from specdec.config import ConfigError, WorkerConfig
@@ -153,22 +151,15 @@ def test_greedy_speculation_is_that_formats_plain_decoding(quantization_pair, ta
 def exact_distribution_at(model_dir, weights: str, params: dict, new: int = 3) -> dict:
     """Every continuation's probability under specdec's own model in `weights` (its logits for a
     prefix are the same in any pass: the kernels are batch-invariant) and HF's logits processors."""
-    model = load_model(model_dir, weights=weights)
-    processors = LogitsProcessorList([TemperatureLogitsWarper(params["temperature"])])
-    if params.get("top_k"):
-        processors.append(TopKLogitsWarper(params["top_k"]))
-    probs: dict[tuple, torch.Tensor] = {}
-    for length in range(new):
-        for prefix in itertools.product(range(SHAPE["vocab_size"]), repeat=length):
-            cache = model.new_kv_cache(num_blocks=4, block_size=8)
-            cache.add_sequence("p")
-            ids = PROMPT + list(prefix)
-            logits = model.forward(prepare_forward(cache, ["p"], [ids], [1]), cache)
-            probs[prefix] = torch.softmax(processors(torch.tensor([ids]), logits), dim=-1)[0]
-    dist = {}
-    for seq in itertools.product(range(SHAPE["vocab_size"]), repeat=new):
-        dist[seq] = float(np.prod([probs[seq[:i]][seq[i]].item() for i in range(new)]))
-    return dist
+    model, processors = load_model(model_dir, weights=weights), hf_processors(params)
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache = model.new_kv_cache(num_blocks=4, block_size=8)
+        cache.add_sequence("p")
+        logits = model.forward(prepare_forward(cache, ["p"], [ids], [1]), cache)
+        return torch.softmax(processors(torch.tensor([ids]), logits), dim=-1)[0]
+
+    return continuation_probs(next_probs, new, PROMPT)
 
 
 @needs_kernels

@@ -56,10 +56,18 @@ def exact_distribution(model_dir, params: dict, new: int = NEW, prompt: list[int
 @functools.cache
 def _exact_distribution(model_dir: str, params: tuple, new: int, prompt: tuple[int, ...],
                         ) -> tuple[tuple[tuple[int, ...], float], ...]:
-    # One forward per prefix, not per (sequence, position): the tests share a few of these, and
-    # each probability is the same product in the same order either way.
-    params = dict(params)
-    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    model, processors = LlamaForCausalLM.from_pretrained(model_dir).eval(), hf_processors(dict(params))
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            return torch.softmax(processors(ids, model(ids).logits[:, -1, :]), dim=-1)[0]
+
+    return tuple(sorted(continuation_probs(next_probs, new, prompt).items()))
+
+
+def hf_processors(params: dict) -> LogitsProcessorList:
+    """Hugging Face's own logits processors for the sampling `params` (the reference's rules)."""
     processors = LogitsProcessorList()
     if params.get("repetition_penalty", 1.0) != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(params["repetition_penalty"]))
@@ -68,19 +76,21 @@ def _exact_distribution(model_dir: str, params: tuple, new: int, prompt: tuple[i
         processors.append(TopKLogitsWarper(params["top_k"]))
     if params.get("top_p", 1.0) < 1.0:
         processors.append(TopPLogitsWarper(params["top_p"]))
+    return processors
+
+
+def continuation_probs(next_probs, new: int, prompt) -> dict[tuple[int, ...], float]:
+    """P(seq) for every continuation of `new` tokens after `prompt`, where `next_probs(ids)` is the
+    distribution (VOCAB,) after ids: one call per prefix of nonzero probability, not one per
+    (sequence, position), and each P the same product in the same order either way."""
     prefixes = {(): 1.0}
     for _ in range(new):
         longer = {}
         for prefix, prob in prefixes.items():
-            if prob == 0.0:
-                longer.update({prefix + (t,): 0.0 for t in range(VOCAB)})
-                continue
-            ids = torch.tensor([list(prompt) + list(prefix)])
-            with torch.no_grad():
-                next_probs = torch.softmax(processors(ids, model(ids).logits[:, -1, :]), dim=-1)[0]
-            longer.update({prefix + (t,): prob * next_probs[t].item() for t in range(VOCAB)})
+            probs = next_probs(list(prompt) + list(prefix)) if prob != 0.0 else torch.zeros(VOCAB)
+            longer.update({prefix + (t,): prob * probs[t].item() for t in range(VOCAB)})
         prefixes = longer
-    return tuple(sorted(prefixes.items()))
+    return prefixes
 
 
 def chi_square_pvalue(samples: list[tuple[int, ...]], dist: dict) -> float:

@@ -91,7 +91,7 @@ def test_every_path_of_the_sums_gives_the_same_bits(path, tmp_path, monkeypatch)
         top = torch.ones(200, 128)
         top[:, ::GROUP] = -1.0  # all codes but one per group at the top (4-bit: 15; 8-bit: 127)
         for matrix in (quantize(torch.randn(200, 128, generator=gen), bits), quantize(ends, bits), quantize(top, bits)):
-            for m in (1, 6, 9):
+            for m in (1, 3, 6, 7, 9):  # odd counts: a last row without its pair
                 x = torch.randn(m, 128, generator=gen)
                 x[0], x[-1] = 1.0, torch.where(torch.arange(128) % 3 == 0, 1.0, -1.0)  # inputs at +-127
                 ours = kernels.matmul(x, kernels.pack_quantized(matrix), torch.empty(m, 200))

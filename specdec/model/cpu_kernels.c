@@ -692,25 +692,33 @@ static inline __attribute__((always_inline)) void add_quad(const __m256i codes[4
                 codes[i], _mm256_sign_epi8(xv, signs[i])), _mm256_set1_epi16(1)));
         else
             sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(codes[i], xv));
+        /* each sum one register, added in order: integer adds may be reassociated, and gcc then
+           built trees of products over a group's quads that spilled to the stack (8 rows 1.3x
+           slower) */
+        __asm__("" : "+x"(sums[i]));
     }
 }
 
-/* A group's sums of one row into its float accumulators (the chain of the section's comment). */
-static inline __attribute__((always_inline)) void add_group(const __m256i sums[4], int64_t bits, const uint16_t *dg,
-                                                            const uint16_t *mg, float scale, int32_t sum, float *acc) {
+/* A group's sums of one row into its float accumulators (the chain of the section's comment);
+   dg, mg: the group's scales and minimums as floats (mg read only with `mins`). */
+static inline __attribute__((always_inline)) void add_group(const __m256i sums[4], int64_t bits, const __m256 dg[4],
+                                                            const __m256 mg[4], int mins, float scale, int32_t sum,
+                                                            float *acc) {
     const __m256 sv = _mm256_set1_ps(scale), xs = _mm256_set1_ps(scale * (float)sum);
     for (int i = 0; i < 4; i++) {
         const __m256i dot = bits == 8 ? sums[i] : _mm256_madd_epi16(sums[i], _mm256_set1_epi16(1));
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + 8 * i)));
         __m256 a = _mm256_load_ps(acc + 8 * i);
-        a = _mm256_fmadd_ps(dv, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(dot)), a);
-        if (mg) a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mg + 8 * i))), xs, a);
+        a = _mm256_fmadd_ps(dg[i], _mm256_mul_ps(sv, _mm256_cvtepi32_ps(dot)), a);
+        if (mins) a = _mm256_fmadd_ps(mg[i], xs, a);
         _mm256_store_ps(acc + 8 * i, a);
     }
 }
 
 /* The rows' half panel: one row takes each quad as it is unpacked; more unpack a group's quads
-   once, then go over them two rows at a time (their eight sums stay in registers). */
+   once, go over them two rows at a time (their eight sums stay in registers), then take each
+   row's sums into its accumulators in a loop of its own (the scales in registers there: done
+   after each pair instead, the scales and sums spilled, ~7% slower at 8 rows). Called with
+   `bits` and `rows` constant, so each (bits, rows) is a copy of its own without branches. */
 static inline __attribute__((always_inline)) void panel_rows_quantized(
     const uint8_t *codes, int64_t bits, const uint16_t *d, const uint16_t *mn, const int8_t *xq, const float *dx,
     const int32_t *xsum, int64_t k_len, int64_t groups, const int rows, const int half, const float *bias,
@@ -718,15 +726,16 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
     const int64_t quad_bytes = PANEL * bits / 2;
     __m256i unpacked[QUADS][4], signs[QUADS][4]; /* signs: written and read for 8-bit codes only */
     float acc[ROWS][HALF] __attribute__((aligned(32)));
-    for (int r = 0; r < rows; r++) memset(acc[r], 0, sizeof acc[r]);
+    for (int r = 0; r < rows; r++) /* not memset: gcc made it a `rep stos`, ~3% of an 8-row product */
+        for (int i = 0; i < 4; i++) _mm256_store_ps(acc[r] + 8 * i, _mm256_setzero_ps());
     /* The group after next is fetched ahead: this half reads every other 64 or 128 bytes, which
        the hardware's prefetch did not follow (8-bit weights from memory went at half the speed).
        Past the last group it fetches whatever follows: a prefetch never faults. */
     const int64_t half_bytes = quad_bytes / 2, ahead = 2 * QUADS * quad_bytes;
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *dg = d + g * PANEL + HALF * half, *mg = mn ? mn + g * PANEL + HALF * half : 0;
+        const uint16_t *dh = d + g * PANEL + HALF * half, *mh = mn ? mn + g * PANEL + HALF * half : 0;
         const int8_t *xg = xq + g * QGROUP;
-        __m256i first[4], second[4];
+        __m256i first[4], second[4], dots[ROWS][4];
         for (int i = 0; i < 4; i++) first[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int q = 0; q < QUADS; q++) {
@@ -736,7 +745,12 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
             unpack_quad(quad, bits, half, unpacked[q], signs[q]);
             if (rows == 1) add_quad(unpacked[q], signs[q], bits, xg + 4 * q, first);
         }
-        if (rows == 1) add_group(first, bits, dg, mg, dx[g], xsum[g], acc[0]);
+        __m256 dg[4], mg[4]; /* converted once for all the rows */
+        for (int i = 0; i < 4; i++) {
+            dg[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dh + 8 * i)));
+            mg[i] = mh ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mh + 8 * i))) : _mm256_setzero_ps();
+        }
+        if (rows == 1) add_group(first, bits, dg, mg, mn != 0, dx[g], xsum[g], acc[0]);
         for (int r = 0; rows > 1 && r < rows; r += 2) {
             const int pair = r + 1 < rows;
             for (int i = 0; i < 4; i++) first[i] = second[i] = _mm256_setzero_si256();
@@ -745,9 +759,13 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
                 add_quad(unpacked[q], signs[q], bits, xg + r * k_len + 4 * q, first);
                 if (pair) add_quad(unpacked[q], signs[q], bits, xg + (r + 1) * k_len + 4 * q, second);
             }
-            add_group(first, bits, dg, mg, dx[r * groups + g], xsum[r * groups + g], acc[r]);
-            if (pair) add_group(second, bits, dg, mg, dx[(r + 1) * groups + g], xsum[(r + 1) * groups + g], acc[r + 1]);
+            for (int i = 0; i < 4; i++) {
+                dots[r][i] = first[i];
+                if (pair) dots[r + 1][i] = second[i];
+            }
         }
+        for (int r = 0; rows > 1 && r < rows; r++)
+            add_group(dots[r], bits, dg, mg, mn != 0, dx[r * groups + g], xsum[r * groups + g], acc[r]);
     }
     store_half(acc, rows, half, bias, cols, y, y_stride);
 }
@@ -863,11 +881,13 @@ int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, con
                 const int32_t *sr = xsum + r * groups;
                 float *yr = y + r * n + p * PANEL;
 #define ROWS_CASE(R) \
-    case R: panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, R, half, b, cols, yr, n); break;
-                switch (m - r < ROWS ? m - r : ROWS) { /* each case a copy with the row count fixed */
+    case R: \
+        if (bits == 8) panel_rows_quantized(c, 8, d, mn, xr, dr, sr, k_len, groups, R, half, b, cols, yr, n); \
+        else panel_rows_quantized(c, 4, d, mn, xr, dr, sr, k_len, groups, R, half, b, cols, yr, n); \
+        break;
+                switch (m - r < ROWS ? m - r : ROWS) { /* each case a copy with the rows and bits fixed */
                     ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5) ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2)
-                    default:
-                        panel_rows_quantized(c, bits, d, mn, xr, dr, sr, k_len, groups, 1, half, b, cols, yr, n);
+                    ROWS_CASE(1)
                 }
 #undef ROWS_CASE
             }

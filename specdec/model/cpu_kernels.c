@@ -191,7 +191,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* e^x for x <= 0 (below -87: e^-87), within about 2 ulp, in operations a compiler turns into
-   vector code (glibc's expf is one call per number: at batch 8 a third of attention's time).
+   vector code (glibc's expf is one call per number: at batch 8 a third of attention's time); gcc
+   does so only with -fno-trapping-math (cpu_kernels.py's FLAGS), else the clamp is a branch.
    Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-6 polynomial, times 2^n. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;

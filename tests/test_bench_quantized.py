@@ -54,6 +54,25 @@ def test_bench_peer_measures_specdec_without_llama_cpp(tmp_path, capsys, monkeyp
     assert (tmp_path / "tiny-copy-v1-seed0-Q8_0.gguf").exists()  # built once, then reused
 
 
+@needs_kernels
+def test_bench_peer_skips_a_llama_cpp_that_dies_on_this_cpu(tmp_path, capsys, monkeypatch):
+    # a llama.cpp whose kernels die of SIGILL (as its AMX build did in a VM offering AMX): its
+    # rows are skipped with the reason, specdec's are still measured
+    fake = tmp_path / "fake" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import os, signal\n\nclass Llama:\n    def __init__(self, **_):\n"
+                                      "        os.kill(os.getpid(), signal.SIGILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    monkeypatch.setattr(peer_command, "llama_cpp_version", lambda: "0.0-fake")
+    out = tmp_path / "peer.json"
+    assert cli.main(["bench-peer", "--quick", "--types", "Q8_0", "--cache-dir", str(tmp_path),
+                     "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"]["Q8_0"]
+    assert row["llama_cpp_failure"] == "it died of SIGILL decoding 3 tokens"
+    assert set(row["rates"]) == {"specdec b1", "specdec b8", "specdec n-gram", "specdec plain"}
+    assert "llama.cpp not measured: it died of SIGILL" in capsys.readouterr().out
+
+
 def test_bench_peer_refuses_bad_counts(capsys):
     assert cli.main(["bench-peer", "--runs", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err

@@ -10,7 +10,8 @@ at 2 and 10 tokens, its best taken). Also specdec's resident weight bytes agains
 Both keep their KV caches in float16 by default, llama.cpp's default (--kv-cache-dtype auto gives
 specdec the model's float32 cache).
 llama.cpp runs through llama-cpp-python where it is installed (`pip install llama-cpp-python`, an
-optional extra); without it specdec's rows are still measured.
+optional extra); without it specdec's rows are still measured, and likewise where llama.cpp dies
+decoding a few tokens in a child process first (its rows then say why).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from specdec.model.decoder import load_model
 from specdec.role_configs import KV_CACHE_DTYPES
 from specdec.tokenizer import load_tokenizer, render_chat
 from specdec_app.bench.engine_runner import kv_blocks_for
-from specdec_app.bench.peer_runner import LlamaCppSystem, SpecdecSystem, llama_cpp_version
+from specdec_app.bench.peer_runner import LlamaCppSystem, SpecdecSystem, llama_cpp_failure, llama_cpp_version
 from specdec_app.bench.shapes import COPY_ANSWER, SHAPE_VERSION, SHAPES, build_copy_checkpoint, copy_messages
 from specdec_app.bench.step_command import DEFAULT_CACHE
 
@@ -90,8 +91,10 @@ def measure(path: Path, prompt: list[int], answer: list[int], args, log) -> dict
         system.warm_up([prompt] * batch)
     systems = {"specdec b1": (plain, 1, max_new), "specdec b8": (plain, 8, max_new)}
     copy_systems = {"specdec n-gram": (ngram, 1, copy_tokens), "specdec plain": (plain, 1, copy_tokens)}
-    version = llama_cpp_version()
-    if version is not None:
+    version, failure = llama_cpp_version(), None
+    if version is not None and (failure := llama_cpp_failure(str(path), args.threads)):
+        log(f"{path.name}: llama.cpp's rows skipped: {failure}")
+    if version is not None and failure is None:
         context = len(prompt) + max(max_new, copy_tokens) + 16
         for lookup in (0, *LOOKUP_TOKENS):
             peer = LlamaCppSystem(str(path), args.threads, context, lookup)
@@ -107,7 +110,7 @@ def measure(path: Path, prompt: list[int], answer: list[int], args, log) -> dict
     for row in measured.values():
         row.pop("output", None)
     return {"rates": measured, "file_bytes": path.stat().st_size, "weight_bytes": load_model(str(path)).weights.nbytes,
-            "llama_cpp": version, "copy_tokens": copy_tokens, "ngram_same_as_plain": same}
+            "llama_cpp": version, "llama_cpp_failure": failure, "copy_tokens": copy_tokens, "ngram_same_as_plain": same}
 
 
 def run(args) -> int:
@@ -138,6 +141,8 @@ def run(args) -> int:
     for tensor_type, r in rows.items():
         held, file, rates = r["weight_bytes"], r["file_bytes"], r["rates"]
         print(f"{tensor_type}: weights held {held / 1e6:.1f} MB = {held / file:.2f}x the file ({file / 1e6:.1f} MB)")
+        if r["llama_cpp_failure"]:
+            print(f"  llama.cpp not measured: {r['llama_cpp_failure']}")
         print(f"  {'system':<24} {'decode tok/s':>12} {'request tok/s':>14}   (decode: after the first token; "
               "request: prompt included)")
         for name, rate in rates.items():

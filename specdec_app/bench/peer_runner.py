@@ -11,6 +11,9 @@ rate of decoding itself, which the prompt's evaluation does not touch).
 """
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +25,32 @@ def llama_cpp_version() -> str | None:
     except ImportError:
         return None
     return getattr(llama_cpp, "__version__", "unknown")
+
+
+_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), n_batch=512, verbose=False)
+for i, _ in enumerate(llm.generate([1, 2, 3, 4, 5, 6, 7, 8], top_k=1, temp=0.0)):
+    if i == 2:
+        break
+"""
+
+
+def llama_cpp_failure(gguf_path: str, threads: int, timeout_s: float = 300.0) -> str | None:
+    """Why llama.cpp cannot decode gguf_path here (None: it can), found in a child process: a
+    llama.cpp built for this CPU may still die on it (seen: its AMX kernels' SIGILL in a VM that
+    offers AMX), which would take specdec's measurements down with it."""
+    try:
+        child = subprocess.run([sys.executable, "-c", _PROBE, gguf_path, str(threads)], capture_output=True,
+                               text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"it did not decode 3 tokens in {timeout_s:.0f} s"
+    if child.returncode < 0:
+        return f"it died of {signal.Signals(-child.returncode).name} decoding 3 tokens"
+    if child.returncode:
+        return f"it failed decoding 3 tokens: {child.stderr.strip().splitlines()[-1:] or child.returncode}"
+    return None
 
 
 @dataclass

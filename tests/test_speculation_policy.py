@@ -286,14 +286,15 @@ def test_one_unlucky_round_does_not_end_speculation(monkeypatch):
 
 
 def requests_one_after_another(policy: SpeculationPolicy, rates: list[float], greedy_kind: bool,
-                               rounds: int = 30) -> list[tuple[int, float, int]]:
-    """Requests of one kind run one at a time (`rounds` rounds each), the n-th accepting each
-    token with probability rates[n % len(rates)]: (K, expected committed tokens, committed) of
-    every drafting round, expected as the policy's estimates priced the round it chose."""
+                               rounds: int = 30, count: int = 60, prefix: str = "r") -> list[tuple[int, float, int]]:
+    """`count` requests of one kind (ids prefix + n) run one at a time (`rounds` rounds each), the
+    n-th accepting each token with probability rates[n % len(rates)]: (K, expected committed
+    tokens, committed) of every drafting round, expected as the policy's estimates priced the
+    round it chose."""
     machine, rows = Machine(), []
     by_rate = {rate: each_token_accepted(rate, seed) for seed, rate in enumerate(dict.fromkeys(rates))}
-    asks = {f"r{n}": (PolicyRequest(f"r{n}", 5, greedy=greedy_kind, seeded=False), rates[n % len(rates)])
-            for n in range(60)}
+    asks = {f"{prefix}{n}": (PolicyRequest(f"{prefix}{n}", 5, greedy=greedy_kind, seeded=False), rates[n % len(rates)])
+            for n in range(count)}
 
     def accepts(req_id, k):
         ask, rate = asks[req_id]
@@ -335,6 +336,33 @@ def test_where_requests_differ_their_own_tokens_decide_and_the_good_ones_draft_a
     requests_one_after_another(policy, [0.95, 0.2], greedy_kind=True)
     assert policy.prior_weights[True].weight == policy_module.PRIOR_WEIGHT
     assert policy.choose([greedy("r58")]) == [5]  # (a 0.95 request, 30 rounds in)
+
+
+def test_a_change_of_traffic_moves_the_prior_weight_however_long_the_server_ran():
+    """PriorWeight's errors fade: after a server's first traffic (requests that accept alike, the
+    weight large; or requests that differ, the weight least) changes to the other, the weight
+    follows within the same number of requests whether the first traffic ran for 60 requests or
+    240 (without fading, the way back grew with the history: 40 requests after 60, 100 after 180,
+    and none of 120 alike requests raised it after 60 that differed)."""
+    def requests_until(first: list[float], then: list[float], history: int, reached) -> int:
+        policy = new_policy()
+        for block in range(history):
+            requests_one_after_another(policy, first, greedy_kind=True, prefix=f"first{block}-")
+        for n in range(12):
+            requests_one_after_another(policy, then, greedy_kind=True, count=10, prefix=f"then{n}-")
+            if reached(policy.prior_weights[True].weight):
+                return 10 * (n + 1)
+        return 1000
+
+    def least(weight):
+        return weight == policy_module.PRIOR_WEIGHT
+
+    def large(weight):
+        return weight >= 8 * policy_module.PRIOR_WEIGHT
+
+    assert requests_until([0.75], [0.95, 0.2], 1, least) == requests_until([0.75], [0.95, 0.2], 4, least) <= 30
+    assert requests_until([0.95, 0.2], [0.75], 1, large) <= 120
+    assert requests_until([0.95, 0.2], [0.75], 4, large) <= 120
 
 
 class MarkovText:

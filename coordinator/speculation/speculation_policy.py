@@ -11,7 +11,7 @@ The model:
   The counts fade by DECAY every round the request takes part in (at K = 0 too: old evidence gives
   way to the prior). The prior is the pool: the same rates over all requests of one kind (greedy
   or sampled), fading by DECAY per w tokens, from INITIAL_ACCEPTANCE and coverage 1. w is the
-  kind's (coverage's: PRIOR_WEIGHT): of PRIOR_WEIGHT * 2^j, the one best predicting tokens tested.
+  kind's (coverage's: PRIOR_WEIGHT): of PRIOR_WEIGHT * 2^j, the one best predicting recent tokens.
 - A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes).
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
@@ -86,9 +86,9 @@ def _rate(hits: float, trials: float, prior: float, weight: float) -> float:
 
 
 class PriorWeight:
-    """A kind's prior weight w (the model above), by the squared error each candidate's rates make
-    on the tokens tested. Where requests differ little (sampled acceptance) their few own tokens
-    are noise, and a K chosen on them commits less or more than expected (the winner's curse)."""
+    """A kind's prior weight w (the model above): the candidate whose rates erred least (squared) on
+    recent tokens (faded by DECAY per largest candidate's tokens: unfaded, a server's first traffic
+    ruled). Requests alike (sampled): their few own tokens are noise, K on them a winner's curse."""
 
     def __init__(self):
         self.errors = [0.0] * 7  # by j: candidate PRIOR_WEIGHT * 2^j, never below the constant
@@ -97,9 +97,10 @@ class PriorWeight:
     def score(self, own: Evidence, counts: tuple[int, ...], prior: float) -> None:
         """A round's tokens of alpha (counts: as Evidence.add's) against the request's rate before it."""
         hits, trials = counts[0] - counts[4], counts[1] - counts[5]
+        fade = DECAY ** (trials / (PRIOR_WEIGHT * 2 ** (len(self.errors) - 1)))
         for j in range(len(self.errors)):
             p = own.alpha(prior, PRIOR_WEIGHT * 2 ** j)
-            self.errors[j] += hits * (1.0 - p) ** 2 + (trials - hits) * p * p
+            self.errors[j] = fade * self.errors[j] + hits * (1.0 - p) ** 2 + (trials - hits) * p * p
         self.weight = PRIOR_WEIGHT * 2 ** min(range(len(self.errors)), key=self.errors.__getitem__)
 
 
@@ -271,8 +272,7 @@ class SpeculationPolicy:
             tokens += worth
             verify += coverage * v1 * self._nodes(ks[i])
             if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
-                if sampled:
-                    verify += v2 * batch * (2 if steps == 0 else 1)
+                verify += v2 * batch * (2 if steps == 0 else 1) * sampled
                 steps = ks[i]
             draft_tokens += d2 * self._nodes(ks[i]) + (d3 * request.backlog if ks[i] == 1 else 0.0)
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)

@@ -49,7 +49,8 @@ def llama_cpp_failure(gguf_path: str, threads: int, timeout_s: float = 300.0) ->
     if child.returncode < 0:
         return f"it died of {signal.Signals(-child.returncode).name} decoding 3 tokens"
     if child.returncode:
-        return f"it failed decoding 3 tokens: {child.stderr.strip().splitlines()[-1:] or child.returncode}"
+        last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        return f"it failed decoding 3 tokens: {last}"
     return None
 
 

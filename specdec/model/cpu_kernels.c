@@ -484,6 +484,9 @@ DEFINE_PANEL_ROWS(3)
 DEFINE_PANEL_ROWS(4)
 DEFINE_PANEL_ROWS(5)
 DEFINE_PANEL_ROWS(6)
+typedef void PanelRows(const float *, int64_t, const float *, const float *, int64_t, float *, int64_t);
+static PanelRows *const PANEL_ROWS[] = {0, panel_rows_1, panel_rows_2, panel_rows_3, panel_rows_4, panel_rows_5,
+                                        panel_rows_6}; /* by rows */
 
 int64_t panel_width(void) { return PANEL; }
 
@@ -511,15 +514,8 @@ void matmul(const float *x, int64_t m, int64_t k_len, const float *panels, int64
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         float *out = y + p * PANEL;
         for (int64_t r = 0, rows; r < m; r += rows) {
-            const float *xr = x + r * k_len;
-            switch (rows = pass_rows(m - r)) {
-                case 6: panel_rows_6(xr, k_len, panel, b, cols, out + r * n, n); break;
-                case 5: panel_rows_5(xr, k_len, panel, b, cols, out + r * n, n); break;
-                case 4: panel_rows_4(xr, k_len, panel, b, cols, out + r * n, n); break;
-                case 3: panel_rows_3(xr, k_len, panel, b, cols, out + r * n, n); break;
-                case 2: panel_rows_2(xr, k_len, panel, b, cols, out + r * n, n); break;
-                default: panel_rows_1(xr, k_len, panel, b, cols, out + r * n, n); break;
-            }
+            rows = pass_rows(m - r);
+            PANEL_ROWS[rows](x + r * k_len, k_len, panel, b, cols, out + r * n, n);
         }
     }
 }

@@ -91,10 +91,11 @@ def measure(path: Path, prompt: list[int], answer: list[int], args, log) -> dict
         system.warm_up([prompt] * batch)
     systems = {"specdec b1": (plain, 1, max_new), "specdec b8": (plain, 8, max_new)}
     copy_systems = {"specdec n-gram": (ngram, 1, copy_tokens), "specdec plain": (plain, 1, copy_tokens)}
-    version, failure = llama_cpp_version(), None
-    if version is not None and (failure := llama_cpp_failure(str(path), args.threads)):
+    version = llama_cpp_version()
+    failure = None if version is None else llama_cpp_failure(str(path), args.threads)
+    if failure:
         log(f"{path.name}: llama.cpp's rows skipped: {failure}")
-    if version is not None and failure is None:
+    elif version is not None:
         context = len(prompt) + max(max_new, copy_tokens) + 16
         for lookup in (0, *LOOKUP_TOKENS):
             peer = LlamaCppSystem(str(path), args.threads, context, lookup)

@@ -157,6 +157,23 @@ def test_an_untrustworthy_proposal_fails_its_own_request_only(checkpoints, draft
     assert worker.cache.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("draft,q", [
+    ([5], _q([{5: 1.0}])), ([5, 6], _q([{5: 0.5, 6: 0.5}, {6: 1.0}])), ([5], _q([{6: 1.0}])),
+    ([5, 6], _q([{5: 1.0}, {5: 0.0, 6: 1.0}])), ([5], _q([{5: 0.7, 6: 0.7}])), ([5], _q([{5: 1.5, 6: -0.5}])),
+    ([5], _q([{5: float("nan")}])), ([5], _q([{5: 0.5, VOCAB + 3: 0.5}])), ([5], _q([{5: 0.5, -1: 0.5}])),
+])
+def test_the_q_checks_in_numpy_give_the_devices_verdicts_and_reasons(draft, q):
+    """A CPU's q is checked in numpy (torch's fixed cost per op); a device's in torch. The same q
+    gets the same verdict from each check, and the same reason for the first that fails."""
+    from target_worker.proposal_check import _first_failure, _q_checks
+
+    task = VerifyTask("r", [], draft, q, SamplingParams(max_new_tokens=10, temperature=1.0, seed=3))
+    host, device = _q_checks(task, VOCAB, on_host=True), _q_checks(task, VOCAB, on_host=False)
+    assert [bool(flag) for flag, _ in host] == [bool(flag) for flag, _ in device]
+    if not all(bool(flag) for flag, _ in host):
+        assert _first_failure(host) == _first_failure(device)
+
+
 # ---------------------------------------------------------------- random verify rounds, directly
 
 def _random_q(rng: random.Random, tokens: list[int], vocab: int) -> SparseDist:

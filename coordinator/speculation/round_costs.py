@@ -26,20 +26,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-# Rounds over which a round's timing fades to 1/e of its weight: long enough to average the noise
-# of single rounds (a shared CPU's timings jump by 2x), short enough to follow a machine whose
-# load changes within a request's lifetime.
+# Rounds over which a round's timing fades to 1/e of its weight: long enough to average single rounds'
+# noise (a shared CPU's timings jump by 2x), short enough to follow a load that changes within a request.
 COST_MEMORY = 50.0
 _RIDGE = 1e-6  # pull of an unmeasured term towards 0, in (normalised) rounds: only breaks ties
-# Rounds between solves once a fit has seen as many: a round moves a fit of COST_MEMORY rounds by
-# ~2%, so solving every round (tens of microseconds, as much as a K = 0 round's other policy work)
-# buys nothing.
+# Rounds between solves once a fit has seen as many: a round moves a fit of COST_MEMORY rounds by ~2%,
+# so solving every round (tens of microseconds, a K = 0 round's other policy work) buys nothing.
 _SOLVE_EVERY = 8
 
 
 class RoundShape(NamedTuple):
     """The features of a round that its cost depends on (module docstring)."""
-
     fed: int  # T
     sampled: int  # P
     steps: int  # S (0: no draft call)
@@ -62,11 +59,10 @@ class FadingLeastSquares:
         self.gram = [[0.0] * size for _ in range(size)]
         self.moment = [0.0] * size
         self.rounds = 0.0  # the faded count of rounds seen
-        self._theta = [0.0] * size
-        self._per_unit = [0.0] * size
+        self._theta, self._per_unit = [0.0] * size, [0.0] * size
         self._fitted = False  # _theta comes from rounds (not the zeros it starts as)
-        self._unsolved = 0  # rounds added since _theta was solved
-        self._added = 0
+        # Rounds added since _theta was solved, and in all; rounds without an observation since the last.
+        self._unsolved, self._added, self._idle = 0, 0, 0
         # The run of rounds with the same features not yet in gram and moment: their features
         # (unscaled, scaled), count, faded weight and faded sum of seconds, and the most a round
         # counts for (twice the last solve's prediction: on a shared CPU one round in fifty
@@ -93,6 +89,10 @@ class FadingLeastSquares:
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         """A round of features x (unscaled) that took y seconds."""
+        if self._idle:  # (the rounds without an observation since the last one: see fade_out)
+            decay, self._idle = self.fade ** self._idle, 0
+            self.gram = [[decay * g for g in row] for row in self.gram]
+            self.moment = [decay * m for m in self.moment]
         if x != self._run:
             self._flush()
             self._run, self._run_x = x, [v / s for v, s in zip(x, self.scales)]
@@ -102,8 +102,7 @@ class FadingLeastSquares:
         self._run_weight = fade * self._run_weight + 1.0
         self._run_seconds = fade * self._run_seconds + min(y, self._run_cap)
         self.rounds = fade * self.rounds + 1.0
-        self._unsolved += 1
-        self._added += 1
+        self._unsolved, self._added = self._unsolved + 1, self._added + 1
 
     def _flush(self) -> None:
         """The run into gram and moment: m rounds of features x add sum_r fade^(m-r) x x^T."""
@@ -119,8 +118,12 @@ class FadingLeastSquares:
             self._run_cap = 2.0 * max(sum(t * v for t, v in zip(self._theta, self._run_x)), 1e-6)
 
     def fade_out(self) -> None:
-        """A round without an observation: the fit stands, but its count of rounds fades, so a fit
-        that rounds no longer exercise (no draft calls) comes to count as unmeasured."""
+        """A round without an observation: the rounds seen fade as at any round (at the next add: the
+        fit stands till then), so new rounds outweigh an old spell of the machine, and a fit that
+        rounds no longer exercise (no draft calls) comes to count as unmeasured."""
+        if self._run_rounds:
+            self._flush()
+        self._idle += 1
         self.rounds *= self.fade
 
 
@@ -153,12 +156,10 @@ class RoundCosts:
     `max_fed` and `max_steps` (the largest batch's tokens and the largest K) scale the features."""
 
     def __init__(self, max_fed: int, max_steps: int):
-        fed = float(max(max_fed, 1))
-        steps = float(max(max_steps, 1))
+        fed, steps = float(max(max_fed, 1)), float(max(max_steps, 1))
         self.verify = FadingLeastSquares([1.0, fed, fed])  # 1, T, P
         self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed], free=1)  # 1, S, D, C
-        self.overhead = 0.0
-        self._overhead_weight = 0.0
+        self.overhead, self._overhead_weight = 0.0, 0.0
 
     @property
     def rounds_seen(self) -> float:

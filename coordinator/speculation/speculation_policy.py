@@ -19,16 +19,17 @@ The model:
   next ones too while nothing that could change that changes (K = 0 rounds cost little to choose).
 - Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
   interval, its request longest without drafting (the smaller backlog among equals) drafts 1
-  token. The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL after each probe that
-  brings no request back, resets when one drafts on merit, and counts in plain rounds' worth of
-  the probe's predicted price where that is more than a round (a dear probe takes no more of the
-  time than a cheap one). No probe while even acceptance 1 could not pay for drafting.
+  token, and if it was accepted again the round after (the probe paid the drafter's catch-up;
+  what drafting on merit costs is measured only without one). The interval starts at 2 rounds,
+  doubles up to MAX_PROBE_INTERVAL after each probe that brings no request back, resets when one
+  drafts on merit, and counts in plain rounds' worth of the probe's price where that is more than
+  a round (a dear probe takes no more of the time than a cheap one). No probe while even
+  acceptance 1 could not pay for drafting.
 - Seeded sampled requests: which draws decide a token depends on K, so their K follows their own
   history only: each maximises its expected tokens / (1 + K (c + REFERENCE_VERIFY_TOKEN_COST)), in
   target steps, c = draft/target parameter ratio, from the constant priors, and probes on its own
   clock of rounds; never the pool, the batch, or a timing.
-choose() leaves the estimates as they were (a round that then fails changes nothing); observe()
-records what the round that ran did.
+choose() leaves the estimates as they were (a round that then fails changes nothing).
 """
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ class _Chosen(NamedTuple):
     """The probes choose() chose for the round about to run, for observe() to record."""
     probes: dict[str, bool]  # req_id -> greedy, of the unseeded probes
     seeded_probes: set[str]
+    follow_ups: set[str]  # the unseeded probes of the round before, drafting 1 token again
 
 
 class SpeculationPolicy:
@@ -161,13 +163,13 @@ class SpeculationPolicy:
         """branches, side_depth: the shape of a request's token tree (scheduler.tree_branches,
         tree_side_depth; specdec.sampling.tree.tree_size): a depth costs all its nodes, each
         verified and drafted; 1 branch: chains."""
-        self.costs = costs
-        self.reference_draft_cost = reference_draft_cost  # draft step / target step (seeded requests)
+        self.costs, self.reference_draft_cost = costs, reference_draft_cost  # (draft / target step: seeded)
         self.branches, self.side_depth = branches, side_depth
         self._own: dict[str, Evidence] = {}
         self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
         self.prior_weights = {True: PriorWeight(), False: PriorWeight()}  # by greedy
-        self._chosen = _Chosen({}, set())
+        self._chosen = _Chosen({}, set(), set())
+        self._follow_ups: set[str] = set()  # last round's probes, to draft again in the next (the model above)
         self._quiet: list[str] = []  # the requests of a round that settled the next ones (_still_quiet)
         self._probe_prices = {True: 1.0, False: 1.0}  # by greedy: the last price of a probe, in rounds
 
@@ -194,8 +196,7 @@ class SpeculationPolicy:
     def _kind_prior(self, greedy: bool) -> Estimate:
         return self._rates(self._pool[greedy], _initial(), PRIOR_WEIGHT)
 
-    def export(self, req_id: str) -> Evidence | None:
-        """A request's own history, to carry to another replica's policy (`adopt`)."""
+    def export(self, req_id: str) -> Evidence | None:  # (a request's own history, for another replica)
         return self._own.get(req_id)
 
     def adopt(self, req_id: str, evidence: Evidence) -> None:
@@ -206,12 +207,12 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------------
     def settled(self, req_ids: list[str]) -> bool:
-        """Whether the last choice settled this round of `req_ids` too (K = 0 for all, no probe):
-        the caller may skip choose() and its requests' caps (a K = 0 round's overhead)."""
+        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose()."""
         return bool(self._quiet) and self._still_quiet(req_ids)
 
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
-        self._chosen = chosen = _Chosen({}, set())
+        self._chosen = chosen = _Chosen({}, set(), set())
+        follow_ups, self._follow_ups = self._follow_ups, set()
         if self.settled([r.req_id for r in requests]):
             return [0] * len(requests)
         self._quiet = []
@@ -233,6 +234,9 @@ class SpeculationPolicy:
                 if (self._cannot_pay(free, ceilings, len(requests), costs, sampled)
                         or not any(self._merit(free, ceilings, len(requests), costs, sampled).values())):
                     self._quiet = [r.req_id for r in requests]
+            for r in (r for r in free if r.req_id in follow_ups and not ks[r.req_id]):
+                ks[r.req_id], self._quiet = 1, []
+                chosen.follow_ups.add(r.req_id)
             for greedy, pool in self._pool.items():
                 kind = [r for r in free if r.greedy == greedy]
                 price = float("inf")  # (no probe of this kind now)
@@ -267,14 +271,11 @@ class SpeculationPolicy:
         verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
         best_rate, best = tokens / max(plain, 1e-9), list(ks)
         for worth, i in order:
-            request, coverage = free[i], estimates[i].coverage
-            ks[i] += 1
-            tokens += worth
-            verify += coverage * v1 * self._nodes(ks[i])
+            ks[i], tokens = ks[i] + 1, tokens + worth
+            verify += estimates[i].coverage * v1 * self._nodes(ks[i])
             if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
-                verify += v2 * batch * (2 if steps == 0 else 1) * sampled
-                steps = ks[i]
-            draft_tokens += d2 * self._nodes(ks[i]) + (d3 * request.backlog if ks[i] == 1 else 0.0)
+                verify, steps = verify + v2 * batch * (2 if steps == 0 else 1) * sampled, ks[i]
+            draft_tokens += d2 * self._nodes(ks[i]) + (d3 * free[i].backlog if ks[i] == 1 else 0.0)
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, list(ks)
@@ -282,11 +283,10 @@ class SpeculationPolicy:
 
     def _cannot_pay(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                     costs: tuple[float, ...], sampled: bool) -> bool:
-        """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked
-        tokens are worth at most min(m * the best worth, all worths) and cost at least a draft
-        call's d0 + d1 + the least catch-up (+ the accept test on 2 positions of each row of a
-        sampled batch) plus m times the least a token costs; their ratio peaks at an end or at
-        the kink."""
+        """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked tokens are
+        worth at most min(m * the best worth, all worths) and cost at least a draft call's d0 + d1 + the
+        least catch-up (+ the accept test on 2 positions a row if sampled) plus m times the least a
+        token costs; their ratio peaks at an end or at the kink."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
         plain = v0 + v1 * batch + overhead
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
@@ -300,23 +300,20 @@ class SpeculationPolicy:
 
     def _still_quiet(self, req_ids: list[str]) -> bool:
         """The last choice settled this round too: the same requests (their caps only shrink),
-        none seeded, no probe due at its last price and the costs not solved again since."""
-        return (req_ids == self._quiet
-                and not self.costs.solve_due()
+        none seeded, no probe due at its last price or to follow, the costs not solved since."""
+        return (req_ids == self._quiet and not self._follow_ups and not self.costs.solve_due()
                 and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
 
     def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...], sampled: bool) -> float:
-        """What drafting 1 token for `request` adds to a round (a draft call that catches up its backlog
-        and takes one step, one more verified token, the accept test on 2 positions of each row of a
-        sampled batch) in plain rounds of this batch, at least 1 (a lower price rests on few rounds)."""
+        """What drafting 1 token for `request` adds to a round (its catch-up and one step, a verified
+        token, the accept test on 2 positions a row if sampled), in plain rounds of this batch, >= 1."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
         price = (v1 + d2) * self._nodes(1) + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
         """Could drafting pay at all: at acceptance 1, does some K beat plain decoding (one request)?
-        Yes while drafting is unmeasured: draft costs fade as rounds go by without drafting, so a
-        price measured on a bad spell of the machine is measured again."""
+        Yes while drafting is unmeasured (draft costs fade in rounds without drafting)."""
         if self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1:
             return True
         v0, v1, _, d0, d1, d2, _, overhead = costs
@@ -368,8 +365,10 @@ class SpeculationPolicy:
             pooled[kind] = [total + n for total, n in zip(pooled[kind], counts)]
             if req_id in chosen.seeded_probes:
                 own.probed(brought_back=False)
-            elif req_id in chosen.probes:
+            elif req_id in chosen.probes or req_id in chosen.follow_ups:
                 own.rounds_at_zero = 0  # (the kind's clock, not its own, paces its probes)
+                if req_id in chosen.probes and accepted and not update.finished:
+                    self._follow_ups.add(req_id)
             else:
                 drafted[kind] = True
                 own.probed(brought_back=True)
@@ -386,7 +385,7 @@ class SpeculationPolicy:
                 pool.rounds_at_zero += 1
         self.costs.observe(report_shape(report, greedy), report.verify_seconds, report.draft_seconds,
                            report.overhead_seconds, prefill=report.target_prefill > 0)
-        self._chosen = _Chosen({}, set())
+        self._chosen = _Chosen({}, set(), set())
 
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:

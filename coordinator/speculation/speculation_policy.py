@@ -212,9 +212,9 @@ class SpeculationPolicy:
 
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
         self._chosen = chosen = _Chosen({}, set(), set())
-        follow_ups, self._follow_ups = self._follow_ups, set()
-        if self.settled([r.req_id for r in requests]):
+        if self.settled([r.req_id for r in requests]):  # (never with a follow-up pending)
             return [0] * len(requests)
+        follow_ups, self._follow_ups = self._follow_ups, set()
         self._quiet = []
         ks = dict.fromkeys((r.req_id for r in requests), 0)
         free = [r for r in requests if r.cap > 0 and not r.seeded]

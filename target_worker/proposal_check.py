@@ -29,8 +29,9 @@ def proposal_problems(tasks: list[VerifyTask], vocab_size: int) -> dict[str, str
     checked = [t for t in tasks if t.req_id not in problems and _needs_q(t)]
     if checked:
         device = checked[0].q.probs.device
-        checks = [_q_checks(t, vocab_size, on_host=device.type == "cpu") for t in checked]
-        if device.type == "cpu":  # (numpy's flags: no sync to save)
+        on_host = device.type == "cpu"
+        checks = [_q_checks(t, vocab_size, on_host) for t in checked]
+        if on_host:  # (numpy's flags: no sync to save)
             flags = [all(bool(flag) for flag, _ in c) for c in checks]
         else:
             flags = torch.stack([torch.stack([flag for flag, _ in c]).all().to(device) for c in checks]).tolist()

@@ -121,8 +121,7 @@ class FadingLeastSquares:
         """A round without an observation: the rounds seen fade as at any round (at the next add: the
         fit stands till then), so new rounds outweigh an old spell of the machine, and a fit that
         rounds no longer exercise (no draft calls) comes to count as unmeasured."""
-        if self._run_rounds:
-            self._flush()
+        self._flush()  # (a run after this starts afresh, so that the idle rounds age it too)
         self._idle += 1
         self.rounds *= self.fade
 

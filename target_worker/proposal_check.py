@@ -77,7 +77,7 @@ def _q_checks(task: VerifyTask, vocab_size: int, on_host: bool) -> list[Check]:
         ((abs(sums - 1) <= _SUM_TOLERANCE).all(),
          lambda: f"q rows must sum to 1, got sums {[round(float(s), 6) for s in sums[:5]]}"),
         ((q_of_drafted > 0).all(),
-         lambda: f"draft tokens at positions {[i for i, q in enumerate(q_of_drafted.tolist()) if q <= 0][:5]} "
+         lambda: f"draft tokens at positions {[i for i, p in enumerate(q_of_drafted.tolist()) if p <= 0][:5]} "
                  "have probability 0 under the q sent with them"),
     ]
 

@@ -37,6 +37,7 @@ def test_the_script_logs_every_round_of_a_run_on_the_shipped_pair(tmp_path):
     assert sum(r["committed"] for r in rows) == 2 * 12  # every round, every token (EOS ignored)
     assert sum(r["prefill"] for r in rows) == 2  # one prompt at a time
     assert all(r["measured_s"] > 0 and len(r["k"]) == r["requests"] == 1 for r in rows)
-    # priced from the round after the first that fed no prompt; a round that fed one never
-    assert all((r["predicted_s"] is None) == (r["prefill"] or i < 2) for i, r in enumerate(rows))
+    # priced from the round after the first that the verify fit counts (not the prompt's round,
+    # nor the cold one after it: round_costs); a round that fed a prompt never
+    assert all((r["predicted_s"] is None) == (r["prefill"] or i < 3) for i, r in enumerate(rows))
     assert all(r["accepted"] <= r["proposed"] <= sum(r["k"]) for r in rows)

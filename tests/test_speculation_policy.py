@@ -158,6 +158,33 @@ def test_an_unmeasured_slope_is_optimistic_and_a_prefill_round_does_not_price_ve
     assert costs.round_seconds(RoundShape(1, 0, 0, 0, 0)) == pytest.approx(STEP)
 
 
+def test_the_cold_round_after_a_prompts_pass_does_not_price_verifying(monkeypatch):
+    """The round after a prompt's pass runs cold (on a 2-core CPU, after a pause of 10-30 ms a
+    pass took 1.7-2.4x a warm one). After a spell at K = 0 a new request's first drafting round,
+    which falls there, is the one recent round that tells T apart: counted (the control), it
+    priced a verified token at 17x its cost, and a drafter accepted every time was cut from K = 5
+    to 1 (on the shipped pair, accepted 0.7 of the time: to K = 0, for hundreds of rounds)."""
+    def after_a_cold_first_round() -> tuple[float, int]:
+        policy, machine = new_policy(), Machine()
+        for _ in range(20):  # drafting measured (K = 3), then 300 rounds at K = 0 (b asks none)
+            run_round(policy, machine, [greedy("a", cap=3)], all_accepted)
+        for _ in range(300):
+            run_round(policy, machine, [greedy("b", cap=0)], all_accepted)
+        policy.costs.observe(RoundShape(1, 0, 0, 0, 0), 40 * STEP, 0.0, 0.0, prefill=True)  # c's prompt
+        assert run_round(policy, Machine(slow=3.0), [greedy("c", cap=1)], all_accepted) == [1]  # its first round
+        for _ in range(10):  # (till the fit is solved again)
+            run_round(policy, machine, [greedy("b", cap=0)], all_accepted)
+        return policy.costs.coefficients()[1] / machine.per_token, policy.choose([greedy("c")])[0]
+
+    slope, k = after_a_cold_first_round()
+    assert slope == pytest.approx(1.0, rel=0.1) and k == 5
+    observe = RoundCosts.observe
+    monkeypatch.setattr(RoundCosts, "observe", lambda self, *args, **kwargs: (
+        setattr(self, "_cold", False), observe(self, *args, **kwargs)))
+    slope, k = after_a_cold_first_round()
+    assert slope > 10 and k <= 1
+
+
 def test_a_prediction_that_only_watches_leaves_the_next_solve_where_it_falls():
     """scripts/round_log.py prices each round as it runs (solve=False): the fit is then solved
     when the policy would have solved it, so the log watches the choices it would have made."""

@@ -20,7 +20,8 @@ one per fit, which takes their cost: the pass's (v0) and the draft step's (d1). 
 optimistic guess: more verified tokens look free and a shorter K cheaper, so the policy tries them
 and measures them (were a draft call's constant to take the cost, a K shorter than the one measured
 would be priced as dear and never tried: rounds all at K = 5 would stay so). A round that fed the
-target a prompt says nothing about verifying and is left out of the verify fit.
+target a prompt is left out of the verify fit, and so is the next: it runs cold (a 10-30 ms pause
+made a pass 1.7-2.4x slower; counted, it priced a verified token at 5x after a spell at K = 0).
 """
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ from typing import NamedTuple
 # noise (a shared CPU's timings jump by 2x), short enough to follow a load that changes within a request.
 COST_MEMORY = 50.0
 _RIDGE = 1e-6  # pull of an unmeasured term towards 0, in (normalised) rounds: only breaks ties
-# Rounds between solves once a fit has seen as many: a round moves a fit of COST_MEMORY rounds by ~2%,
-# so solving every round (tens of microseconds, a K = 0 round's other policy work) buys nothing.
+# Rounds between solves once a fit has seen as many: a round moves it by ~2% (1 / COST_MEMORY).
 _SOLVE_EVERY = 8
 
 
@@ -65,8 +65,7 @@ class FadingLeastSquares:
         self._unsolved, self._added, self._idle = 0, 0, 0
         # The run of rounds with the same features not yet in gram and moment: their features
         # (unscaled, scaled), count, faded weight and faded sum of seconds, and the most a round
-        # counts for (twice the last solve's prediction: on a shared CPU one round in fifty
-        # stalls for 10-100x its time, and such spikes would set the slopes).
+        # counts for (twice the last solve's prediction: spikes, the module docstring).
         self._run: tuple = ()
         self._run_x: list[float] = []
         self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
@@ -159,6 +158,7 @@ class RoundCosts:
         self.verify = FadingLeastSquares([1.0, fed, fed])  # 1, T, P
         self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed], free=1)  # 1, S, D, C
         self.overhead, self._overhead_weight = 0.0, 0.0
+        self._cold = False  # the next round follows a prompt's pass (module docstring)
 
     @property
     def rounds_seen(self) -> float:
@@ -186,8 +186,9 @@ class RoundCosts:
     def observe(self, shape: RoundShape, verify_seconds: float, draft_seconds: float, overhead_seconds: float,
                 prefill: bool) -> None:
         """Fold in a round that ran: its shape and measured seconds (`prefill`: it fed a prompt)."""
-        if not prefill:
+        if not (prefill or self._cold):
             self.verify.add((1.0, shape.fed, shape.sampled), verify_seconds)
+        self._cold = prefill
         if shape.steps or shape.catch_up:
             self.draft.add((1.0, shape.steps, shape.proposed, shape.catch_up), draft_seconds)
         else:

@@ -58,9 +58,9 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
 
     logits: [N, V]; contexts[r]: row r's tokens so far, so len(contexts[r]) is the position of the
     token it picks; ranks[r] its rank in a token tree (None: all 0); kernels: the model's C kernels
-    (greedy rows' argmax; None: torch's). A sampled row's q is its top
-    max_q_entries probabilities, renormalised, and the token is drawn from exactly that q with the
-    request's DRAFT uniform at that position (and rank): the q sent to the target is the
+    (greedy rows' argmax, temperature-only rows' draws; None: torch's ops). A sampled row's q is its
+    top max_q_entries probabilities, renormalised, and the token is drawn from exactly that q with
+    the request's DRAFT uniform at that position (and rank): the q sent to the target is the
     distribution the token came from (any q would keep the method exact; a close one keeps
     acceptance high).
     """
@@ -68,44 +68,66 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
     if all(p.argmax_only for p in params):
         return row_argmax(logits, kernels), {}
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device,
+                 None if ranks is None else [ranks[i] for i in rows])
+    most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
+    widths = [min(most, params[i].top_k or most) for i in rows]  # each row's own q size
+    every_row = len(rows) == len(params)
     if not needs_presence and all(params[i].top_p == 1.0 for i in rows):
-        # Temperature (and top-k) only: dividing by T keeps the order of the logits, so the top
-        # entries of softmax(logits / T) are the softmax of the top logits / T: one top-k over the
-        # vocabulary, and no full-vocabulary division or softmax.
-        most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
-        widths = [min(most, params[i].top_k or most) for i in rows]  # each row's own q size
-        every_row = len(rows) == len(params)
-        top, ids = torch.topk((logits if every_row else logits[rows]).float(), max(widths), dim=-1)
-        tokens = None if every_row else logits.argmax(-1)  # the greedy rows' picks
-        temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)[:, None]
-        scaled = (top / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
-        if min(widths) < max(widths):
-            beyond = (torch.arange(max(widths), device=logits.device)[None, :]
-                      >= torch.tensor(widths, device=logits.device)[:, None])
-            scaled = scaled.masked_fill(beyond, float("-inf"))
-        q = torch.softmax(scaled, dim=-1)
+        temperatures = [params[i].temperature for i in rows]
+        picks, ids, q = (_drawn_in_c(logits, temperatures, rows, widths, u, kernels)
+                         or _drawn_from_top_logits(logits, temperatures, rows, widths, u))
+        tokens = picks if every_row else row_argmax(logits, kernels)  # (the greedy rows' picks)
     else:
         presence = presence_mask(contexts, logits.shape[-1], logits.device) if needs_presence else None
         probs = probs_from_logits(logits, BatchSamplingParams.from_params(params, logits.device), presence)
         tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
         if not rows:
             return tokens, {}
-        # Each row's own width, as in the branch above: a request's rows are stacked across the
-        # steps of a call, and the batch (so the branch taken) can change between steps.
-        most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
-        widths = [min(most, params[i].top_k or most) for i in rows]
         # Largest first: beyond a top-k row's width every entry is 0 (the top-k filter zeroed it).
         top, ids = torch.topk(probs[rows].float(), max(widths), dim=-1)  # [S, n]
         q = top / top.sum(dim=-1, keepdim=True)
-    u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device,
-                 None if ranks is None else [ranks[i] for i in rows])
-    picks = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
-    if len(rows) == len(params):
-        tokens = picks
-    else:
+        picks = ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1)
+        tokens = picks if every_row else tokens
+    if not every_row:
         tokens[rows] = picks
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
     return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}
+
+
+def _drawn_from_top_logits(logits: torch.Tensor, temperatures: list[float], rows: list[int], widths: list[int],
+                           u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature (and top-k) only, in torch: dividing by T keeps the order of the logits, so the
+    top entries of softmax(logits / T) are the softmax of the top logits / T: one top-k over the
+    vocabulary, no full-vocabulary division or softmax. -> (picks [S], ids [S, n], q [S, n])."""
+    top, ids = torch.topk((logits if len(rows) == len(logits) else logits[rows]).float(), max(widths), dim=-1)
+    temperature = torch.tensor(temperatures, device=logits.device)[:, None]
+    scaled = (top / temperature.clamp(min=MIN_TEMPERATURE, max=LARGEST_LOGIT)).clamp(-LARGEST_LOGIT, LARGEST_LOGIT)
+    if min(widths) < max(widths):
+        beyond = (torch.arange(max(widths), device=logits.device)[None, :]
+                  >= torch.tensor(widths, device=logits.device)[:, None])
+        scaled = scaled.masked_fill(beyond, float("-inf"))
+    q = torch.softmax(scaled, dim=-1)
+    return ids.gather(1, sample_from_probs(q, u)[:, None]).squeeze(1), ids, q
+
+
+def _drawn_in_c(logits: torch.Tensor, temperatures: list[float], rows: list[int], widths: list[int],
+                u: torch.Tensor, kernels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """_drawn_from_top_logits in the model's C kernels, a row at a time (one call where torch made
+    a dozen, each slow between the draft's passes); None without them, off the CPU or for a row
+    holding a NaN."""
+    if kernels is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    logits = logits.contiguous()
+    ids = torch.zeros(len(rows), max(widths), dtype=torch.int64)  # host: logits are on the CPU
+    q = torch.zeros(len(rows), max(widths))  # host: as ids
+    picks = []
+    for i, (row, width, temperature, draw) in enumerate(zip(rows, widths, temperatures, u.tolist())):
+        at = kernels.sample_top(logits[row], temperature, draw, ids[i, :width], q[i, :width])
+        if at < 0:
+            return None
+        picks.append(int(ids[i, at]))
+    return torch.tensor(picks, dtype=torch.int64), ids, q  # host: as ids
 
 
 class ModelDrafter(Drafter):

@@ -79,6 +79,56 @@ def test_argmax_gives_torchs_index_for_ties_infinities_and_nans(threads):
         kernels.argmax(torch.empty(2, 0))
 
 
+def softmax_draw(q: torch.Tensor, u: float) -> int:
+    """The inverse-CDF draw sample_from_probs makes (float64 running sums): the first index whose
+    running sum exceeds u x the total."""
+    cdf = torch.cumsum(q.double(), 0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab, width, temperature", [(4096, 256, 0.8), (50, 5, 1.0), (128256, 256, 0.3),
+                                                         (300, 300, 2.0), (33, 1, 0.8)])
+def test_sample_top_keeps_the_largest_logits_in_order_and_draws_from_their_softmax(vocab, width, temperature):
+    gen = torch.Generator().manual_seed(vocab + width)
+    for trial in range(20):
+        x = torch.randn(vocab, generator=gen) * (1 + trial % 4)
+        ids, q = torch.empty(width, dtype=torch.int64), torch.empty(width)
+        u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+        at = kernels.sample_top(x, temperature, u, ids, q)
+        top = torch.topk(x, width)
+        assert torch.equal(x[ids], top.values)  # the same logits, largest first
+        torch.testing.assert_close(q, torch.softmax(top.values / temperature, 0), atol=1e-6, rtol=1e-5)
+        assert at == softmax_draw(q, u) and q[at] > 0
+
+
+@needs_kernels
+def test_sample_top_orders_ties_by_index_and_survives_extreme_logits():
+    x = torch.zeros(40)
+    x[[30, 3, 17]] = 5.0
+    x[8] = -0.0  # equal to the zeros: by index too
+    ids, q = torch.empty(6, dtype=torch.int64), torch.empty(6)
+    kernels.sample_top(x, 1.0, 0.5, ids, q)
+    assert ids.tolist() == [3, 17, 30, 0, 1, 2]
+    x = torch.full((100,), float("-inf"))
+    x[7], x[9], x[11] = float("inf"), 3e38, -3e38
+    for temperature in (1e-30, 1.0, 1e30):  # below the least temperature; a vast one
+        at = kernels.sample_top(x, temperature, 1.0 - 2.0**-53, ids, q)  # u next to 1: the last positive
+        assert torch.isfinite(q).all() and abs(float(q.sum()) - 1) < 1e-6 and q[at] > 0 and int(ids[0]) == 7
+
+
+@needs_kernels
+def test_sample_top_refuses_a_nan_row_and_wrong_shapes():
+    x = torch.randn(64)
+    x[40] = float("nan")
+    ids, q = torch.zeros(8, dtype=torch.int64), torch.zeros(8)
+    assert kernels.sample_top(x, 1.0, 0.5, ids, q) == -1  # the caller takes torch's ops
+    with pytest.raises(KernelArgumentError, match="sample_top"):
+        kernels.sample_top(torch.randn(4), 1.0, 0.5, ids, q)  # more entries than logits
+    with pytest.raises(KernelArgumentError, match="sample_top"):
+        kernels.sample_top(torch.randn(64), 1.0, 0.5, ids, torch.zeros(7))
+
+
 @needs_kernels
 @pytest.mark.parametrize("with_head_norm", [False, True])
 def test_rope_store_kv_rotates_q_and_k_and_writes_the_cache(with_head_norm):

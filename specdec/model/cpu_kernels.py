@@ -48,6 +48,7 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "rope_store_kv": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _F, _P, _P, _P, _B], None),
     "attend": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P, _B], ctypes.c_int),
     "argmax_rows": ([_P, _I, _I, _P], None),
+    "sample_top": ([_P, _I, _I, _F, ctypes.c_double, _P, _P], _I),
     "panel_width": ([], _I),
     "matmul": ([_P, _I, _I, _P, _I, _P, _P], None),
     "quant_group": ([], _I),
@@ -259,6 +260,15 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.argmax_rows(_ptr(x), rows, cols, _ptr(out, torch.int64))
         return out
+
+    def sample_top(self, x: torch.Tensor, temperature: float, u: float, ids: torch.Tensor, q: torch.Tensor) -> int:
+        """A sampled token of the logits x [V]: ids [n] = the n largest logits' indices, largest
+        first; q [n] = their softmax at `temperature`; -> the index into ids of the token the
+        uniform u draws from q by inverse CDF (-1: x holds a NaN, ids and q are not written)."""
+        width = ids.shape[0]
+        _expect(x.dim() == 1 and ids.dim() == 1 and tuple(q.shape) == (width,) and 0 < width <= x.shape[0],
+                lambda: f"sample_top: x {tuple(x.shape)}, ids {tuple(ids.shape)}, q {tuple(q.shape)}")
+        return self._lib.sample_top(_ptr(x), x.shape[0], width, temperature, u, _ptr(ids, torch.int64), _ptr(q))
 
 
 def row_argmax(x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:

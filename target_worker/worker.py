@@ -35,6 +35,7 @@ from specdec.sampling import (
 )
 from specdec.sampling.tree import is_chain, node_paths
 from target_worker.proposal_check import proposal_problems
+from target_worker.sampled_chains import drawn_in_c, verdicts_in_c
 from target_worker.tree_acceptance import accept_tree
 
 
@@ -215,7 +216,24 @@ class TargetWorker:
 
     def _accept(self, tasks: list[VerifyTask], seqs: list[_TargetSequence], logits: list[torch.Tensor],
                 num_proposed: list[int]) -> tuple[list[int], list[int]]:
-        """Accept/reject every sequence's draft at once; returns (num_accepted, next_token) lists."""
+        """Accept/reject every sequence's draft; returns (num_accepted, next_token) lists: requests
+        sampled with a temperature only in C (sampled_chains), the rest at once in torch's ops."""
+        kernels = self.runner.model.kernels
+        in_c = [i for i, (s, rows) in enumerate(zip(seqs, logits)) if drawn_in_c(s.params, rows, kernels)]
+        verdicts = {}
+        if in_c:
+            verdicts = dict(zip(in_c, verdicts_in_c([tasks[i] for i in in_c], [len(seqs[i].tokens) for i in in_c],
+                                                    [seqs[i].seed for i in in_c], [logits[i] for i in in_c], kernels)))
+        rest = [i for i in range(len(tasks)) if verdicts.get(i) is None]
+        if rest:
+            verdicts.update(zip(rest, zip(*self._accept_batched(
+                [tasks[i] for i in rest], [seqs[i] for i in rest], [logits[i] for i in rest],
+                [num_proposed[i] for i in rest]))))
+        return [verdicts[i][0] for i in range(len(tasks))], [verdicts[i][1] for i in range(len(tasks))]
+
+    def _accept_batched(self, tasks: list[VerifyTask], seqs: list[_TargetSequence], logits: list[torch.Tensor],
+                        num_proposed: list[int]) -> tuple[list[int], list[int]]:
+        """Accept/reject every sequence's draft at once in torch's ops."""
         params = [s.params for s in seqs]
         k_max = max(num_proposed)
         vocab = self.runner.vocab_size

@@ -451,6 +451,12 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
     }
 }
 
+/* e^x for x <= 0, 0 below -87 (e^-87 ~ 1.6e-38: no float64 uniform resolves such a token), as a
+   select a compiler vectorizes: a logit of -inf keeps probability 0. */
+static inline float exp_or_zero(float x) {
+    return x < -87.0f ? 0.0f : exp_nonpositive(x);
+}
+
 /* A sampled draft token from one row of logits x [vocab] (draft_worker's choose_tokens): ids
    [width] = the row's `width` largest logits, largest first (the smaller index first among equals);
    q [width] = their softmax at `temperature`, clamped as specdec.sampling's transforms clamp; returns
@@ -553,7 +559,7 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
     }
     double total = 0.0;
     for (int64_t r = width - 1; r >= 0; r--) { /* (q[0] last: the largest, every exponent <= 0) */
-        q[r] = exp_nonpositive(q[r] - q[0]);
+        q[r] = exp_or_zero(q[r] - q[0]);
         total += q[r];
     }
     free(key);
@@ -570,6 +576,77 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
         if (below > target) return r;
     }
     return width - 1;
+}
+
+/* The target's verdict on one sampled request's chain of `proposed` draft tokens (target_worker's
+   chain acceptance, for temperature-only sampling): logits [proposed + 1, vocab], row i the
+   target's at draft position i; p_i = softmax(clamp(logits_i / temperature)) in float32 as
+   specdec.sampling's transforms compute it. Token i = draft[i], proposed from q_i (q_ids, q_probs
+   [proposed, q_width]: its sparse entries), is accepted while u_accept[i] < p_i(t) / q_i(t) (as
+   speculative_verify: no division); at the first rejection the next token is drawn from
+   norm(max(0, p - q)) (p itself where that has no mass), after all of them from p, by inverse CDF
+   with u_target at that position (float64 running sums). Returns the accepted count and writes
+   *next_token, or -1 where a row the walk reads holds a NaN. scratch [vocab]: the drawn row. */
+static inline float scaled_logit(float x, float t) {
+    x = x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
+    const float s = x / t;
+    return s < -FLT_MAX ? -FLT_MAX : s > FLT_MAX ? FLT_MAX : s;
+}
+
+int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t vocab, float temperature,
+                             const int64_t *draft, const int64_t *q_ids, const float *q_probs, int64_t q_width,
+                             const double *u_accept, const double *u_target, float *scratch, int64_t *next_token) {
+    const float t = temperature < 1e-6f ? 1e-6f : temperature > FLT_MAX ? FLT_MAX : temperature;
+    int64_t a = 0;
+    float top = 0.0f, total = 0.0f;
+    for (;; a++) { /* the softmax's largest value and sum of row a, then its draft token's test */
+        const float *x = logits + a * vocab;
+        int nan = 0;
+        top = -FLT_MAX, total = 0.0f;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+        for (int64_t j = 0; j < vocab; j++) {
+            nan |= x[j] != x[j];
+            const float s = scaled_logit(x[j], t);
+            top = s > top ? s : top;
+        }
+        if (nan) return -1;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < vocab; j++) total += exp_or_zero(scaled_logit(x[j], t) - top);
+        if (a == proposed) break;
+        const float p = exp_or_zero(scaled_logit(x[draft[a]], t) - top) / total;
+        float q = 0.0f;
+        for (int64_t e = 0; e < q_width; e++) q += q_ids[a * q_width + e] == draft[a] ? q_probs[a * q_width + e] : 0.0f;
+        if (!(p > 0.0f && (p >= q || u_accept[a] * q < p))) break;
+    }
+    const float *x = logits + a * vocab;
+    for (int64_t j = 0; j < vocab; j++) scratch[j] = exp_or_zero(scaled_logit(x[j], t) - top) / total;
+    double mass = 0.0;
+    if (a < proposed) { /* the residual max(0, p - q); q's entries outside the vocabulary are 0 */
+        const int64_t *ids = q_ids + a * q_width;
+        for (int64_t e = 0; e < q_width; e++)
+            if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] -= q_probs[a * q_width + e];
+        for (int64_t e = 0; e < q_width; e++)
+            if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] = scratch[ids[e]] > 0.0f ? scratch[ids[e]] : 0.0f;
+        for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
+        if (!(mass > 0.0)) /* p == q to rounding: a rejection had probability ~0; p is right */
+            for (int64_t j = 0; j < vocab; j++) scratch[j] = exp_or_zero(scaled_logit(x[j], t) - top) / total;
+    }
+    if (!(mass > 0.0)) {
+        mass = 0.0;
+        for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
+    }
+    /* u < 1 but u * mass may round up to mass; stay strictly below so some index qualifies. */
+    const double target = fmin(u_target[a] * mass, nextafter(mass, 0.0));
+    double below = 0.0;
+    *next_token = vocab - 1;
+    for (int64_t j = 0; j < vocab; j++) {
+        below += scratch[j];
+        if (below > target) {
+            *next_token = j;
+            break;
+        }
+    }
+    return a;
 }
 
 /* --- projections ------------------------------------------------------------------------------

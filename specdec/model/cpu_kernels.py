@@ -49,6 +49,7 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "attend": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P, _B], ctypes.c_int),
     "argmax_rows": ([_P, _I, _I, _P], None),
     "sample_top": ([_P, _I, _I, _F, ctypes.c_double, _P, _P], _I),
+    "verify_sampled_chain": ([_P, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _P], _I),
     "panel_width": ([], _I),
     "matmul": ([_P, _I, _I, _P, _I, _P, _P], None),
     "quant_group": ([], _I),
@@ -269,6 +270,26 @@ class CpuKernels:
         _expect(x.dim() == 1 and ids.dim() == 1 and tuple(q.shape) == (width,) and 0 < width <= x.shape[0],
                 lambda: f"sample_top: x {tuple(x.shape)}, ids {tuple(ids.shape)}, q {tuple(q.shape)}")
         return self._lib.sample_top(_ptr(x), x.shape[0], width, temperature, u, _ptr(ids, torch.int64), _ptr(q))
+
+    def verify_sampled_chain(self, logits: torch.Tensor, temperature: float, draft: list[int],
+                             q_ids: torch.Tensor, q_probs: torch.Tensor, u_accept: torch.Tensor,
+                             u_target: torch.Tensor, scratch: torch.Tensor) -> tuple[int, int] | None:
+        """(accepted count, next token) of a temperature-only request's chain: logits [K + 1, V],
+        draft [K], its q as q_ids / q_probs [K, n], uniforms u_accept [K] and u_target [K + 1]
+        (float64), scratch [V]; None where a row the walk reads holds a NaN."""
+        proposed, vocab = logits.shape[0] - 1, logits.shape[1]
+        _expect(logits.dim() == 2 and len(draft) == proposed and q_ids.dim() == 2
+                and q_ids.shape[0] == proposed and q_probs.shape == q_ids.shape
+                and tuple(u_accept.shape) == (proposed,) and tuple(u_target.shape) == (proposed + 1,)
+                and tuple(scratch.shape) == (vocab,) and all(0 <= t < vocab for t in draft),
+                lambda: f"verify_sampled_chain: logits {tuple(logits.shape)}, draft {draft}, "
+                        f"q {tuple(q_ids.shape)} / {tuple(q_probs.shape)}")
+        next_token, tokens = torch.zeros(1, dtype=torch.int64), torch.tensor(draft, dtype=torch.int64)
+        accepted = self._lib.verify_sampled_chain(
+            _ptr(logits), proposed, vocab, temperature, _ptr(tokens, torch.int64), _ptr(q_ids, torch.int64),
+            _ptr(q_probs), q_ids.shape[1], _ptr(u_accept, torch.float64), _ptr(u_target, torch.float64),
+            _ptr(scratch), _ptr(next_token, torch.int64))
+        return None if accepted < 0 else (accepted, int(next_token))
 
 
 def row_argmax(x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:

@@ -118,16 +118,13 @@ def _drawn_in_c(logits: torch.Tensor, temperatures: list[float], rows: list[int]
     holding a NaN."""
     if kernels is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
         return None
-    logits = logits.contiguous()
     ids = torch.zeros(len(rows), max(widths), dtype=torch.int64)  # host: logits are on the CPU
     q = torch.zeros(len(rows), max(widths))  # host: as ids
-    picks = []
-    for i, (row, width, temperature, draw) in enumerate(zip(rows, widths, temperatures, u.tolist())):
-        at = kernels.sample_top(logits[row], temperature, draw, ids[i, :width], q[i, :width])
-        if at < 0:
-            return None
-        picks.append(int(ids[i, at]))
-    return torch.tensor(picks, dtype=torch.int64), ids, q  # host: as ids
+    drawn = kernels.sample_top(logits.contiguous(), rows, widths, temperatures, u.tolist(), ids, q)
+    if min(drawn) < 0:
+        return None
+    chosen = ids.numpy()
+    return torch.tensor([chosen[i, at] for i, at in enumerate(drawn)], dtype=torch.int64), ids, q  # host: as ids
 
 
 class ModelDrafter(Drafter):

@@ -33,14 +33,10 @@ def verdicts_in_c(tasks: list[VerifyTask], committed: list[int], seeds: list[int
     u_target = uniforms(seeds, positions, TARGET)
     # (nothing proposed: no accept tests, no uniforms for them)
     u_accept = uniforms(seeds, [row[:k_max] for row in positions], ACCEPT) if k_max else u_target[:, :0]
-    scratch = torch.empty(logits[0].shape[-1])  # host: the logits are on the CPU
-    verdicts = []
-    for b, (task, rows) in enumerate(zip(tasks, logits)):
-        k = len(task.draft_tokens)
-        if k:
-            q_ids, q_probs = task.q.token_ids.long().contiguous(), task.q.probs.float().contiguous()
-        else:
-            q_ids, q_probs = torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1)  # host: as scratch
-        verdicts.append(kernels.verify_sampled_chain(rows.contiguous(), task.params.temperature, task.draft_tokens,
-                                                     q_ids, q_probs, u_accept[b, :k], u_target[b, :k + 1], scratch))
-    return verdicts
+    q_ids = [t.q.token_ids.long().contiguous() if t.draft_tokens else _NO_Q[0] for t in tasks]
+    q_probs = [t.q.probs.float().contiguous() if t.draft_tokens else _NO_Q[1] for t in tasks]
+    return kernels.verify_sampled_chains([rows.contiguous() for rows in logits], [t.params.temperature for t in tasks],
+                                         [t.draft_tokens for t in tasks], q_ids, q_probs, u_accept, u_target)
+
+
+_NO_Q = (torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1))  # host: a chain of no tokens has no q

@@ -79,6 +79,13 @@ def test_argmax_gives_torchs_index_for_ties_infinities_and_nans(threads):
         kernels.argmax(torch.empty(2, 0))
 
 
+def sample_top_row(x: torch.Tensor, temperature: float, u: float, width: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """kernels.sample_top on the one row x [V]: (the drawn entry, ids [width], q [width])."""
+    ids, q = torch.zeros(1, width, dtype=torch.int64), torch.zeros(1, width)
+    at, = kernels.sample_top(x[None], [0], [width], [temperature], [u], ids, q)
+    return at, ids[0], q[0]
+
+
 def softmax_draw(q: torch.Tensor, u: float) -> int:
     """The inverse-CDF draw sample_from_probs makes (float64 running sums): the first index whose
     running sum exceeds u x the total."""
@@ -93,9 +100,8 @@ def test_sample_top_keeps_the_largest_logits_in_order_and_draws_from_their_softm
     gen = torch.Generator().manual_seed(vocab + width)
     for trial in range(20):
         x = torch.randn(vocab, generator=gen) * (1 + trial % 4)
-        ids, q = torch.empty(width, dtype=torch.int64), torch.empty(width)
         u = float(torch.rand(1, generator=gen, dtype=torch.float64))
-        at = kernels.sample_top(x, temperature, u, ids, q)
+        at, ids, q = sample_top_row(x, temperature, u, width)
         top = torch.topk(x, width)
         assert torch.equal(x[ids], top.values)  # the same logits, largest first
         torch.testing.assert_close(q, torch.softmax(top.values / temperature, 0), atol=1e-6, rtol=1e-5)
@@ -107,26 +113,26 @@ def test_sample_top_orders_ties_by_index_and_survives_extreme_logits():
     x = torch.zeros(40)
     x[[30, 3, 17]] = 5.0
     x[8] = -0.0  # equal to the zeros: by index too
-    ids, q = torch.empty(6, dtype=torch.int64), torch.empty(6)
-    kernels.sample_top(x, 1.0, 0.5, ids, q)
-    assert ids.tolist() == [3, 17, 30, 0, 1, 2]
+    assert sample_top_row(x, 1.0, 0.5, 6)[1].tolist() == [3, 17, 30, 0, 1, 2]
     x = torch.full((100,), float("-inf"))
     x[7], x[9], x[11] = float("inf"), 3e38, -3e38
     for temperature in (1e-30, 1.0, 1e30):  # below the least temperature; a vast one
-        at = kernels.sample_top(x, temperature, 1.0 - 2.0**-53, ids, q)  # u next to 1: the last positive
+        at, ids, q = sample_top_row(x, temperature, 1.0 - 2.0**-53, 6)  # u next to 1: the last positive
         assert torch.isfinite(q).all() and abs(float(q.sum()) - 1) < 1e-6 and q[at] > 0 and int(ids[0]) == 7
 
 
 @needs_kernels
 def test_sample_top_refuses_a_nan_row_and_wrong_shapes():
-    x = torch.randn(64)
-    x[40] = float("nan")
-    ids, q = torch.zeros(8, dtype=torch.int64), torch.zeros(8)
-    assert kernels.sample_top(x, 1.0, 0.5, ids, q) == -1  # the caller takes torch's ops
+    x = torch.randn(2, 64)
+    x[1, 40] = float("nan")
+    ids, q = torch.zeros(2, 8, dtype=torch.int64), torch.zeros(2, 8)
+    drawn = kernels.sample_top(x, [0, 1], [8, 8], [1.0, 1.0], [0.5, 0.5], ids, q)
+    assert drawn[0] >= 0 and drawn[1] == -1  # the caller takes torch's ops
+    for rows, widths in (([2], [8]), ([0], [65]), ([0], [9]), ([0], [0])):  # no row 2; too wide
+        with pytest.raises(KernelArgumentError, match="sample_top"):
+            kernels.sample_top(x, rows, widths, [1.0], [0.5], ids[:1], q[:1])
     with pytest.raises(KernelArgumentError, match="sample_top"):
-        kernels.sample_top(torch.randn(4), 1.0, 0.5, ids, q)  # more entries than logits
-    with pytest.raises(KernelArgumentError, match="sample_top"):
-        kernels.sample_top(torch.randn(64), 1.0, 0.5, ids, torch.zeros(7))
+        kernels.sample_top(x, [0], [8], [1.0], [0.5], ids[:1], q[:1, :7])
 
 
 @needs_kernels

@@ -91,10 +91,10 @@ def test_q_padding_outside_the_vocabulary_is_ignored_and_bad_shapes_refused():
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(3))
     q_ids = torch.tensor([[4, -1, 99]])  # padding ids with probability 0: never indexed
     q_probs = torch.tensor([[1.0, 0.0, 0.0]])
-    u_accept, u_target = torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64)
-    scratch = torch.empty(20)
-    accepted, nxt = kernels.verify_sampled_chain(logits, 1.0, [4], q_ids, q_probs, u_accept, u_target, scratch)
+    u_accept, u_target = torch.tensor([[0.5]], dtype=torch.float64), torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    (accepted, nxt), = kernels.verify_sampled_chains([logits], [1.0], [[4]], [q_ids], [q_probs], u_accept, u_target)
     assert accepted in (0, 1) and 0 <= nxt < 20 and (accepted == 1 or nxt != 4)  # a rejected 4 has no residual
-    for draft, ids in (([20], q_ids), ([4, 5], q_ids), ([4], q_ids[0])):
-        with pytest.raises(KernelArgumentError, match="verify_sampled_chain"):
-            kernels.verify_sampled_chain(logits, 1.0, draft, ids, q_probs, u_accept, u_target, scratch)
+    for draft, ids, x in (([20], q_ids, logits), ([4, 5], q_ids, logits), ([4], q_ids[0], logits),
+                          ([4], q_ids, logits[:1])):
+        with pytest.raises(KernelArgumentError, match="verify_sampled_chains"):
+            kernels.verify_sampled_chains([x], [1.0], [draft], [ids], [q_probs], u_accept, u_target)

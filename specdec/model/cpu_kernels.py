@@ -262,35 +262,49 @@ class CpuKernels:
         self._lib.argmax_rows(_ptr(x), rows, cols, _ptr(out, torch.int64))
         return out
 
-    def sample_top(self, x: torch.Tensor, temperature: float, u: float, ids: torch.Tensor, q: torch.Tensor) -> int:
-        """A sampled token of the logits x [V]: ids [n] = the n largest logits' indices, largest
-        first; q [n] = their softmax at `temperature`; -> the index into ids of the token the
-        uniform u draws from q by inverse CDF (-1: x holds a NaN, ids and q are not written)."""
-        width = ids.shape[0]
-        _expect(x.dim() == 1 and ids.dim() == 1 and tuple(q.shape) == (width,) and 0 < width <= x.shape[0],
-                lambda: f"sample_top: x {tuple(x.shape)}, ids {tuple(ids.shape)}, q {tuple(q.shape)}")
-        return self._lib.sample_top(_ptr(x), x.shape[0], width, temperature, u, _ptr(ids, torch.int64), _ptr(q))
+    def sample_top(self, x: torch.Tensor, rows: list[int], widths: list[int], temperatures: list[float],
+                   u: list[float], ids: torch.Tensor, q: torch.Tensor) -> list[int]:
+        """A sampled token from each of the logits' rows x[rows[i]] (x [N, V]): ids[i, :widths[i]] =
+        its widths[i] largest logits' indices, largest first; q[i, :widths[i]] = their softmax at
+        temperatures[i]; -> the index into ids[i] of the token the uniform u[i] draws from q[i] by
+        inverse CDF, -1 for a row holding a NaN (ids [S, n] int64, q [S, n]). One check for all
+        rows, then a call a row: each row's address worked out, no tensor made per row."""
+        count, vocab = len(rows), x.shape[-1]
+        _expect(x.dim() == 2 and all(0 <= r < x.shape[0] for r in rows) and len(widths) == len(temperatures)
+                == len(u) == count and ids.shape == q.shape == (count, ids.shape[1])
+                and all(0 < w <= min(vocab, ids.shape[1]) for w in widths),
+                lambda: f"sample_top: x {tuple(x.shape)}, rows {rows}, widths {widths}, ids {tuple(ids.shape)}")
+        x_at, ids_at, q_at, n = _ptr(x), _ptr(ids, torch.int64), _ptr(q), ids.shape[1]
+        return [self._lib.sample_top(x_at + 4 * row * vocab, vocab, width, temperature, draw, ids_at + 8 * i * n,
+                                     q_at + 4 * i * n)
+                for i, (row, width, temperature, draw) in enumerate(zip(rows, widths, temperatures, u))]
 
-    def verify_sampled_chain(self, logits: torch.Tensor, temperature: float, draft: list[int],
-                             q_ids: torch.Tensor, q_probs: torch.Tensor, u_accept: torch.Tensor,
-                             u_target: torch.Tensor, scratch: torch.Tensor) -> tuple[int, int] | None:
-        """(accepted count, next token) of a temperature-only request's chain: logits [K + 1, V],
-        draft [K], its q as q_ids / q_probs [K, n], uniforms u_accept [K] and u_target [K + 1]
-        (float64), scratch [V]; None where a row the walk reads holds a NaN."""
-        proposed, vocab = logits.shape[0] - 1, logits.shape[1]
-        _expect(logits.dim() == 2 and len(draft) == proposed and q_ids.dim() == 2
-                and q_ids.shape[0] == proposed and q_probs.shape == q_ids.shape
-                and tuple(u_accept.shape) == (proposed,) and tuple(u_target.shape) == (proposed + 1,)
-                and tuple(scratch.shape) == (vocab,) and all(0 <= t < vocab for t in draft),
-                lambda: f"verify_sampled_chain: logits {tuple(logits.shape)}, draft {draft}, "
-                        f"q {tuple(q_ids.shape)} / {tuple(q_probs.shape)}")
-        next_token, tokens = torch.zeros(1, dtype=torch.int64), torch.tensor(draft, dtype=torch.int64)
-        accepted = self._lib.verify_sampled_chain(
-            _ptr(logits), proposed, vocab, temperature, _ptr(tokens, torch.int64), _ptr(q_ids, torch.int64),
-            _ptr(q_probs), q_ids.shape[1], _ptr(u_accept, torch.float64), _ptr(u_target, torch.float64),
-            _ptr(scratch), _ptr(next_token, torch.int64))
-        return None if accepted < 0 else (accepted, int(next_token))
-
+    def verify_sampled_chains(self, logits: list[torch.Tensor], temperatures: list[float], drafts: list[list[int]],
+                              q_ids: list[torch.Tensor], q_probs: list[torch.Tensor], u_accept: torch.Tensor,
+                              u_target: torch.Tensor) -> list[tuple[int, int] | None]:
+        """(accepted count, next token) of each temperature-only request's chain b: logits[b]
+        [K_b + 1, V], drafts[b] (K_b tokens), its q as q_ids[b] / q_probs[b] [K_b, n_b], uniforms
+        u_accept [B, K_max] and u_target [B, K_max + 1] (float64); None for a request whose walk
+        reads a NaN. One check of all, then a call a request, its uniforms' addresses worked out."""
+        count, width = len(logits), u_target.shape[-1]
+        vocab = logits[0].shape[-1] if logits else 0
+        _expect(len(temperatures) == len(drafts) == len(q_ids) == len(q_probs) == count
+                and tuple(u_target.shape) == (count, width) and tuple(u_accept.shape) == (count, width - 1)
+                and all(x.dim() == 2 and x.shape == (len(d) + 1, vocab) and len(d) < width and i.dim() == 2
+                        and i.shape[0] == len(d) and p.shape == i.shape and all(0 <= t < vocab for t in d)
+                        for x, d, i, p in zip(logits, drafts, q_ids, q_probs)),
+                lambda: f"verify_sampled_chains: logits {[tuple(x.shape) for x in logits]}, drafts {drafts}, "
+                        f"q {[tuple(i.shape) for i in q_ids]}, u {tuple(u_accept.shape)} / {tuple(u_target.shape)}")
+        tokens = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], dtype=torch.int64)  # [B, K_max]
+        out, scratch = torch.zeros(count, dtype=torch.int64), torch.empty(vocab)
+        tokens_at, accept_at, target_at = _ptr(tokens, torch.int64), _ptr(u_accept, torch.float64), _ptr(
+            u_target, torch.float64)
+        out_at, scratch_at = _ptr(out, torch.int64), _ptr(scratch)
+        accepted = [self._lib.verify_sampled_chain(
+            _ptr(x), len(d), vocab, t, tokens_at + 8 * b * (width - 1), _ptr(i, torch.int64), _ptr(p), i.shape[1],
+            accept_at + 8 * b * (width - 1), target_at + 8 * b * width, scratch_at, out_at + 8 * b)
+            for b, (x, t, d, i, p) in enumerate(zip(logits, temperatures, drafts, q_ids, q_probs))]
+        return [None if a < 0 else (a, n) for a, n in zip(accepted, out.tolist())]
 
 def row_argmax(x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [..., N]: in `kernels` (a model's, None: torch) for a float32

@@ -457,6 +457,19 @@ static inline float exp_or_zero(float x) {
     return x < -87.0f ? 0.0f : exp_nonpositive(x);
 }
 
+/* A logit over the temperature t as specdec.sampling's transforms compute it: the logit, then the
+   quotient, clamped to the finite floats. The clamps are comparisons: a call into libm's fminf
+   cost ~0.3 us after the vector code around it, and ~100 us a row in sample_top. */
+static inline float clamped_temperature(float temperature) { /* (transforms' MIN_TEMPERATURE) */
+    return temperature < 1e-6f ? 1e-6f : temperature > FLT_MAX ? FLT_MAX : temperature;
+}
+
+static inline float scaled_logit(float x, float t) {
+    x = x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
+    const float s = x / t;
+    return s < -FLT_MAX ? -FLT_MAX : s > FLT_MAX ? FLT_MAX : s;
+}
+
 /* A sampled draft token from one row of logits x [vocab] (draft_worker's choose_tokens): ids
    [width] = the row's `width` largest logits, largest first (the smaller index first among equals);
    q [width] = their softmax at `temperature`, clamped as specdec.sampling's transforms clamp; returns
@@ -465,8 +478,9 @@ static inline float exp_or_zero(float x) {
    memory was left (the caller then takes torch's ops). Each logit becomes one integer key, its
    value's order in the high half and its index reversed in the low half: larger key, larger logit
    (then smaller index), so selection and sorting compare integers. One pass keeps the keys above a
-   threshold in a buffer of 2 x width, cut back to the largest width whenever it fills. ~5 us for
-   4k logits, where torch's dozen small ops took ~100 us, and three times that between passes. */
+   threshold in a buffer of 2 x width, cut back to the largest width whenever it fills: ~20 us for
+   256 of 4k logits, where torch's dozen small ops took ~120 us, and three times that between the
+   draft's passes. */
 static inline uint64_t logit_key(float value, int64_t index) {
     uint32_t bits;
     value += 0.0f; /* -0 as +0: equal logits, one order */
@@ -550,12 +564,10 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
     }
     if (held > width) keep_largest(key, held, width);
     sort_descending(key, 0, width - 1);
-    /* Clamps as comparisons (no NaN is left): a call into libm's fminf cost ~0.3 us here. */
-    const float t = temperature < 1e-6f ? 1e-6f : temperature > FLT_MAX ? FLT_MAX : temperature;
+    const float t = clamped_temperature(temperature);
     for (int64_t r = 0; r < width; r++) {
         ids[r] = (uint32_t)~(uint32_t)key[r];
-        const float scaled = x[ids[r]] / t;
-        q[r] = scaled < -FLT_MAX ? -FLT_MAX : scaled > FLT_MAX ? FLT_MAX : scaled;
+        q[r] = scaled_logit(x[ids[r]], t);
     }
     double total = 0.0;
     for (int64_t r = width - 1; r >= 0; r--) { /* (q[0] last: the largest, every exponent <= 0) */
@@ -578,6 +590,22 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
     return width - 1;
 }
 
+/* The largest scaled logit and the softmax's sum of the row x [vocab] at temperature t (0: a NaN). */
+static int softmax_scale(const float *x, int64_t vocab, float t, float *top, float *total) {
+    int nan = 0;
+    float largest = -FLT_MAX, sum = 0.0f;
+#pragma omp simd reduction(max : largest) reduction(| : nan)
+    for (int64_t j = 0; j < vocab; j++) {
+        nan |= x[j] != x[j];
+        const float s = scaled_logit(x[j], t);
+        largest = s > largest ? s : largest;
+    }
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < vocab; j++) sum += exp_or_zero(scaled_logit(x[j], t) - largest);
+    *top = largest, *total = sum;
+    return !nan;
+}
+
 /* The target's verdict on one sampled request's chain of `proposed` draft tokens (target_worker's
    chain acceptance, for temperature-only sampling): logits [proposed + 1, vocab], row i the
    target's at draft position i; p_i = softmax(clamp(logits_i / temperature)) in float32 as
@@ -587,31 +615,16 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
    norm(max(0, p - q)) (p itself where that has no mass), after all of them from p, by inverse CDF
    with u_target at that position (float64 running sums). Returns the accepted count and writes
    *next_token, or -1 where a row the walk reads holds a NaN. scratch [vocab]: the drawn row. */
-static inline float scaled_logit(float x, float t) {
-    x = x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
-    const float s = x / t;
-    return s < -FLT_MAX ? -FLT_MAX : s > FLT_MAX ? FLT_MAX : s;
-}
 
 int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t vocab, float temperature,
                              const int64_t *draft, const int64_t *q_ids, const float *q_probs, int64_t q_width,
                              const double *u_accept, const double *u_target, float *scratch, int64_t *next_token) {
-    const float t = temperature < 1e-6f ? 1e-6f : temperature > FLT_MAX ? FLT_MAX : temperature;
+    const float t = clamped_temperature(temperature);
     int64_t a = 0;
     float top = 0.0f, total = 0.0f;
     for (;; a++) { /* the softmax's largest value and sum of row a, then its draft token's test */
         const float *x = logits + a * vocab;
-        int nan = 0;
-        top = -FLT_MAX, total = 0.0f;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-        for (int64_t j = 0; j < vocab; j++) {
-            nan |= x[j] != x[j];
-            const float s = scaled_logit(x[j], t);
-            top = s > top ? s : top;
-        }
-        if (nan) return -1;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < vocab; j++) total += exp_or_zero(scaled_logit(x[j], t) - top);
+        if (!softmax_scale(x, vocab, t, &top, &total)) return -1;
         if (a == proposed) break;
         const float p = exp_or_zero(scaled_logit(x[draft[a]], t) - top) / total;
         float q = 0.0f;

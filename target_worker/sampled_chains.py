@@ -2,7 +2,7 @@
 
 A request sampled with a temperature and nothing else (no top-k, top-p or repetition penalty) on a
 CPU model with the kernels has its accept tests, residual and draw made by one C call
-(CpuKernels.verify_sampled_chain) instead of the batched torch ops of speculative_verify: the same
+(CpuKernels.verify_sampled_chains) instead of the batched torch ops of speculative_verify: the same
 rule and uniforms, p computed as the transforms compute it (equal to float32 rounding). Which path a
 request takes depends on its own parameters only, never on what shares its batch, so a seeded
 request draws the same tokens however it is batched. A row holding a NaN is left to torch's path.

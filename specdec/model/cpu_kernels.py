@@ -306,6 +306,7 @@ class CpuKernels:
             for b, (x, t, d, i, p) in enumerate(zip(logits, temperatures, drafts, q_ids, q_probs))]
         return [None if a < 0 else (a, n) for a, n in zip(accepted, out.tolist())]
 
+
 def row_argmax(x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [..., N]: in `kernels` (a model's, None: torch) for a float32
     CPU tensor, ~20x faster than torch's CPU argmax over a vocabulary; the same indices."""

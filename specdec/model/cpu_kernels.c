@@ -470,6 +470,20 @@ static inline float scaled_logit(float x, float t) {
     return s < -FLT_MAX ? -FLT_MAX : s > FLT_MAX ? FLT_MAX : s;
 }
 
+/* The index inverse CDF draws from the weights w [n] with the uniform u, as sample_from_probs
+   draws: the first whose float64 running sum exceeds u x total, total being that sum over all of w
+   in this order. Running sums never fall, so the index found has a positive weight. */
+static int64_t drawn_index(const float *w, int64_t n, double u, double total) {
+    /* u < 1 but u * total may round up to total; stay strictly below so some index qualifies. */
+    const double target = fmin(u * total, nextafter(total, 0.0));
+    double below = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        below += w[j];
+        if (below > target) return j;
+    }
+    return n - 1;
+}
+
 /* A sampled draft token from one row of logits x [vocab] (draft_worker's choose_tokens): ids
    [width] = the row's `width` largest logits, largest first (the smaller index first among equals);
    q [width] = their softmax at `temperature`, clamped as specdec.sampling's transforms clamp; returns
@@ -580,14 +594,7 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
         q[r] = (float)(q[r] / total);
         cdf += q[r];
     }
-    /* u < 1 but u * cdf may round up to cdf; stay strictly below so some index qualifies. */
-    const double target = fmin(u * cdf, nextafter(cdf, 0.0));
-    double below = 0.0;
-    for (int64_t r = 0; r < width; r++) {
-        below += q[r];
-        if (below > target) return r;
-    }
-    return width - 1;
+    return drawn_index(q, width, u, cdf);
 }
 
 /* The largest scaled logit and the softmax's sum of the row x [vocab] at temperature t (0: a NaN). */
@@ -648,17 +655,7 @@ int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t voca
         mass = 0.0;
         for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
     }
-    /* u < 1 but u * mass may round up to mass; stay strictly below so some index qualifies. */
-    const double target = fmin(u_target[a] * mass, nextafter(mass, 0.0));
-    double below = 0.0;
-    *next_token = vocab - 1;
-    for (int64_t j = 0; j < vocab; j++) {
-        below += scratch[j];
-        if (below > target) {
-            *next_token = j;
-            break;
-        }
-    }
+    *next_token = drawn_index(scratch, vocab, u_target[a], mass);
     return a;
 }
 

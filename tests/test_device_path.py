@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules whose tensors meet the model's: every constructor names its device, or says on its line
 # why it is a host tensor ("# host:").
 DEVICE_PATH = ["draft_worker/model_drafter.py", "target_worker/worker.py", "target_worker/proposal_check.py",
+               "target_worker/sampled_chains.py",
                "coordinator/rounds/predraft.py", "specdec/sampling/speculative.py", "specdec/sampling/transforms.py",
                "specdec/model/attention.py", "specdec/model/batch.py", "specdec/model/decoder.py",
                "specdec/kv_cache.py", "specdec/model/triton_attention.py", "specdec/model/triton_ops.py",

@@ -457,13 +457,14 @@ static inline float exp_or_zero(float x) {
     return x < -87.0f ? 0.0f : exp_nonpositive(x);
 }
 
-/* A logit over the temperature t as specdec.sampling's transforms compute it: the logit, then the
-   quotient, clamped to the finite floats. The clamps are comparisons: a call into libm's fminf
-   cost ~0.3 us after the vector code around it, and ~100 us a row in sample_top. */
-static inline float clamped_temperature(float temperature) { /* (transforms' MIN_TEMPERATURE) */
+/* The temperature as specdec.sampling's transforms clamp it (their MIN_TEMPERATURE). */
+static inline float clamped_temperature(float temperature) {
     return temperature < 1e-6f ? 1e-6f : temperature > FLT_MAX ? FLT_MAX : temperature;
 }
 
+/* A logit over the temperature t as specdec.sampling's transforms compute it: the logit, then the
+   quotient, clamped to the finite floats. The clamps are comparisons: a call into libm's fminf
+   cost ~0.3 us after the vector code around it, and ~100 us a row in sample_top. */
 static inline float scaled_logit(float x, float t) {
     x = x < -FLT_MAX ? -FLT_MAX : x > FLT_MAX ? FLT_MAX : x;
     const float s = x / t;
@@ -597,7 +598,8 @@ int64_t sample_top(const float *x, int64_t vocab, int64_t width, float temperatu
     return drawn_index(q, width, u, cdf);
 }
 
-/* The largest scaled logit and the softmax's sum of the row x [vocab] at temperature t (0: a NaN). */
+/* The largest scaled logit and the softmax's sum of the row x [vocab] at temperature t (0: a NaN);
+   softmax_at gives one entry of that softmax from them. */
 static int softmax_scale(const float *x, int64_t vocab, float t, float *top, float *total) {
     int nan = 0;
     float largest = -FLT_MAX, sum = 0.0f;
@@ -613,6 +615,10 @@ static int softmax_scale(const float *x, int64_t vocab, float t, float *top, flo
     return !nan;
 }
 
+static inline float softmax_at(float x, float t, float top, float total) {
+    return exp_or_zero(scaled_logit(x, t) - top) / total;
+}
+
 /* The target's verdict on one sampled request's chain of `proposed` draft tokens (target_worker's
    chain acceptance, for temperature-only sampling): logits [proposed + 1, vocab], row i the
    target's at draft position i; p_i = softmax(clamp(logits_i / temperature)) in float32 as
@@ -622,7 +628,6 @@ static int softmax_scale(const float *x, int64_t vocab, float t, float *top, flo
    norm(max(0, p - q)) (p itself where that has no mass), after all of them from p, by inverse CDF
    with u_target at that position (float64 running sums). Returns the accepted count and writes
    *next_token, or -1 where a row the walk reads holds a NaN. scratch [vocab]: the drawn row. */
-
 int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t vocab, float temperature,
                              const int64_t *draft, const int64_t *q_ids, const float *q_probs, int64_t q_width,
                              const double *u_accept, const double *u_target, float *scratch, int64_t *next_token) {
@@ -633,13 +638,13 @@ int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t voca
         const float *x = logits + a * vocab;
         if (!softmax_scale(x, vocab, t, &top, &total)) return -1;
         if (a == proposed) break;
-        const float p = exp_or_zero(scaled_logit(x[draft[a]], t) - top) / total;
+        const float p = softmax_at(x[draft[a]], t, top, total);
         float q = 0.0f;
         for (int64_t e = 0; e < q_width; e++) q += q_ids[a * q_width + e] == draft[a] ? q_probs[a * q_width + e] : 0.0f;
         if (!(p > 0.0f && (p >= q || u_accept[a] * q < p))) break;
     }
     const float *x = logits + a * vocab;
-    for (int64_t j = 0; j < vocab; j++) scratch[j] = exp_or_zero(scaled_logit(x[j], t) - top) / total;
+    for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
     double mass = 0.0;
     if (a < proposed) { /* the residual max(0, p - q); q's entries outside the vocabulary are 0 */
         const int64_t *ids = q_ids + a * q_width;
@@ -649,7 +654,7 @@ int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t voca
             if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] = scratch[ids[e]] > 0.0f ? scratch[ids[e]] : 0.0f;
         for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
         if (!(mass > 0.0)) /* p == q to rounding: a rejection had probability ~0; p is right */
-            for (int64_t j = 0; j < vocab; j++) scratch[j] = exp_or_zero(scaled_logit(x[j], t) - top) / total;
+            for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
     }
     if (!(mass > 0.0)) {
         mass = 0.0;

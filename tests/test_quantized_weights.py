@@ -34,7 +34,7 @@ def quantized_input(x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("k, n, bias", [(64, 300, True), (576, 960, False), (96, 17, True)])
+@pytest.mark.parametrize("k, n, bias", [(64, 300, True), (576, 960, False), (96, 17, True), (128, 148, False)])
 def test_product_is_the_quantized_input_times_the_codes(bits, k, n, bias):
     gen = torch.Generator().manual_seed(k + n + bits)
     matrix = quantize(torch.randn(n, k, generator=gen) * 0.05, bits)

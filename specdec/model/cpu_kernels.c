@@ -818,12 +818,12 @@ static void quantize_rows(const float *x, int64_t m, int64_t k_len, int8_t *xq, 
    may be NULL), + bias (the panel's; may be NULL), in the chain above. */
 #define HALF (PANEL / 2)
 #define ROWS 8
-/* The half panel's rows, acc[r] (from column HALF * slot) + bias, into y (columns past `cols` dropped). */
-static inline void store_half(const float (*acc)[PANEL], int rows, int half, int slot, const float *bias,
+/* The half panel's rows, acc + r acc_stride + bias, into y (columns past `cols` dropped). */
+static inline void store_half(const float *acc, int64_t acc_stride, int rows, int half, const float *bias,
                               int64_t cols, float *y, int64_t y_stride) {
     const int64_t width = cols - HALF * half < HALF ? cols - HALF * half : HALF;
     for (int r = 0; r < rows && width > 0; r++) {
-        const float *in = acc[r] + HALF * slot;
+        const float *in = acc + r * acc_stride;
         float *out = y + r * y_stride + HALF * half;
         if (bias)
 #pragma omp simd
@@ -910,7 +910,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
     if (in_registers)
         for (int r = 0; r < rows; r++)
             for (int v = 0; v < vecs; v++) _mm512_store_ps(acc[r] + 16 * v, held[r * vecs + v]);
-    for (int h = 0; h < halves; h++) store_half(acc, rows, half + h, h, bias, cols, y, y_stride);
+    for (int h = 0; h < halves; h++) store_half(acc[0] + HALF * h, PANEL, rows, half + h, bias, cols, y, y_stride);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_DOT_SIMD 1
@@ -985,7 +985,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
     (void)halves; /* 1: this path goes half by half */
     const int64_t quad_bytes = PANEL * bits / 2;
     __m256i unpacked[QUADS][4], signs[QUADS][4]; /* signs: written and read for 8-bit codes only */
-    float acc[ROWS][PANEL] __attribute__((aligned(32)));
+    float acc[ROWS][HALF] __attribute__((aligned(32)));
     for (int r = 0; r < rows; r++) /* not memset: gcc made it a `rep stos`, ~3% of an 8-row product */
         for (int i = 0; i < 4; i++) _mm256_store_ps(acc[r] + 8 * i, _mm256_setzero_ps());
     /* The group after next is fetched ahead: this half reads every other 64 or 128 bytes, which
@@ -1027,7 +1027,7 @@ static inline __attribute__((always_inline)) void panel_rows_quantized(
         for (int r = 0; rows > 1 && r < rows; r++)
             add_group(dots[r], bits, dg, mg, mn != 0, dx[r * groups + g], xsum[r * groups + g], acc[r]);
     }
-    store_half(acc, rows, half, 0, bias, cols, y, y_stride);
+    store_half(acc[0], HALF, rows, half, bias, cols, y, y_stride);
 }
 #else
 #define QUANT_DOT_SIMD 0
@@ -1041,7 +1041,7 @@ static inline void panel_rows_quantized(
     const float *bias, int64_t cols, float *y, int64_t y_stride) {
     (void)halves; /* 1: this path goes half by half */
     const int64_t quad_bytes = PANEL * bits / 2;
-    float acc[ROWS][PANEL], dg[HALF], mg[HALF];
+    float acc[ROWS][HALF], dg[HALF], mg[HALF];
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < HALF; i++) acc[r][i] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
@@ -1078,7 +1078,7 @@ static inline void panel_rows_quantized(
             }
         }
     }
-    store_half(acc, rows, half, 0, bias, cols, y, y_stride);
+    store_half(acc[0], HALF, rows, half, bias, cols, y, y_stride);
 }
 #endif
 
@@ -1150,22 +1150,23 @@ int matmul_quantized(const float *x, int64_t m, int64_t k_len, int64_t bits, con
                 const float *dr = dx + r * groups;
                 const int32_t *sr = xsum + r * groups;
                 float *yr = y + r * n + p * PANEL;
+#define QUANT_ROWS(R, H) \
+    if (bits == 8) panel_rows_quantized(c, 8, d, mn, xr, dr, sr, k_len, groups, R, half, H, b, cols, yr, n); \
+    else panel_rows_quantized(c, 4, d, mn, xr, dr, sr, k_len, groups, R, half, H, b, cols, yr, n);
 #define ROWS_CASE(R) \
     case R: \
         if (halves == 2 && R <= WHOLE_ROWS) { \
-            if (bits == 8) panel_rows_quantized(c, 8, d, mn, xr, dr, sr, k_len, groups, R, 0, 2, b, cols, yr, n); \
-            else panel_rows_quantized(c, 4, d, mn, xr, dr, sr, k_len, groups, R, 0, 2, b, cols, yr, n); \
-        } else if (bits == 8) { \
-            panel_rows_quantized(c, 8, d, mn, xr, dr, sr, k_len, groups, R, half, 1, b, cols, yr, n); \
+            QUANT_ROWS(R, 2) \
         } else { \
-            panel_rows_quantized(c, 4, d, mn, xr, dr, sr, k_len, groups, R, half, 1, b, cols, yr, n); \
+            QUANT_ROWS(R, 1) \
         } \
         break;
-                switch (m - r < ROWS ? m - r : ROWS) { /* each case a copy with the rows and bits fixed */
+                switch (m - r < ROWS ? m - r : ROWS) { /* a copy for each rows, bits and halves */
                     ROWS_CASE(8) ROWS_CASE(7) ROWS_CASE(6) ROWS_CASE(5) ROWS_CASE(4) ROWS_CASE(3) ROWS_CASE(2)
                     ROWS_CASE(1)
                 }
 #undef ROWS_CASE
+#undef QUANT_ROWS
             }
         }
     }

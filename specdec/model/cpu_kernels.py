@@ -58,6 +58,8 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "quantized_columns": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "decoder_layers": ([_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P,
                         _P, _I, _P, _P, _I, _B], ctypes.c_int),
+    "draft_chain": ([_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I,
+                     _I, _I, _F, _F, _P, _P, _P, _P, _I, _B], ctypes.c_int),
 }
 
 
@@ -90,6 +92,16 @@ def _cache_pointers(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, 
     _expect(k_cache.dtype in _CACHE_DTYPES and v_cache.dtype == k_cache.dtype,
             lambda: f"KV cache of {k_cache.dtype} / {v_cache.dtype}: expected float32 or float16, both alike")
     return _ptr(k_cache, k_cache.dtype), _ptr(v_cache, k_cache.dtype), int(k_cache.dtype == torch.float16)
+
+
+def _projection(panels: PanelWeight | QuantizedPanelWeight) -> _Projection:
+    """cpu_kernels.c's Projection of a weight's panels (it holds pointers: the weight must outlive it)."""
+    bias = None if panels.bias is None else _ptr(panels.bias)
+    if isinstance(panels, QuantizedPanelWeight):
+        return _Projection(panels.bits, _ptr(panels.codes, torch.uint8), _ptr(panels.scales, torch.float16),
+                           None if panels.mins is None else _ptr(panels.mins, torch.float16), bias,
+                           panels.out_features)
+    return _Projection(32, _ptr(panels.panels), None, None, bias, panels.out_features)
 
 
 def _expect(condition: bool, what: Callable[[], str]) -> None:
@@ -150,21 +162,12 @@ class CpuKernels:
         """The C table of model.weights.LayerWeights `layers` that `decoder_layers` reads (it holds
         pointers: the weights must outlive it). Every tensor is checked here, once."""
 
-        def projection(p) -> _Projection:
-            panels = p.panels
-            bias = None if panels.bias is None else _ptr(panels.bias)
-            if isinstance(panels, QuantizedPanelWeight):
-                return _Projection(panels.bits, _ptr(panels.codes, torch.uint8), _ptr(panels.scales, torch.float16),
-                                   None if panels.mins is None else _ptr(panels.mins, torch.float16), bias,
-                                   panels.out_features)
-            return _Projection(32, _ptr(panels.panels), None, None, bias, panels.out_features)
-
         table = (_DecoderLayer * len(layers))()
         for row, layer in zip(table, layers):
             row.input_norm, row.post_norm = _ptr(layer.input_norm), _ptr(layer.post_norm)
             row.head_norm = None if layer.qk_norm is None else _ptr(layer.qk_norm)
-            row.qkv, row.o_proj = projection(layer.qkv), projection(layer.o_proj)
-            row.gate_up, row.down = projection(layer.gate_up), projection(layer.down)
+            row.qkv, row.o_proj = _projection(layer.qkv.panels), _projection(layer.o_proj.panels)
+            row.gate_up, row.down = _projection(layer.gate_up.panels), _projection(layer.down.panels)
         return table
 
     def decoder_layers(self, table: ctypes.Array, final_norm: torch.Tensor, x: torch.Tensor, heads: int,
@@ -202,6 +205,45 @@ class CpuKernels:
         if status != 0:
             raise MemoryError("decoder_layers: no memory for the attention scores or the quantized rows")
         return h
+
+    def draft_chain(self, table: ctypes.Array, final_norm: torch.Tensor, lm_head: PanelWeight | QuantizedPanelWeight,
+                    embed: torch.Tensor | QuantizedPanelWeight, tokens: torch.Tensor, first_position: torch.Tensor,
+                    steps_of: torch.Tensor, slots: torch.Tensor, kv_slots: torch.Tensor, temperatures: torch.Tensor,
+                    keys: torch.Tensor, widths: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, heads: int,
+                    kv_heads: int, inter: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """A draft's passes of one token per sequence, each sequence's pick fed to its next pass
+        (cpu_kernels.c's draft_chain: decoder_layers, the LM head, the pick). tokens [S, steps + 1]
+        int64: column 0 what each sequence feeds first, then its picks; first_position, steps_of [S]
+        int64; slots [S, steps], kv_slots [S, L] int64; temperatures [S] (0: argmax); keys [S]
+        int64 (each sequence's DRAFT stream key, uint64 bits); widths [S] int64; ids [S, steps, n]
+        int64 and q [S, steps, n]: a sampled pick's top tokens and their q. lm_head: the LM head's
+        panels; embed: the embedding's rows [V, hidden], or (tied) the LM head's codes. False
+        where a sampled row's logits held a NaN (the passes' K/V are then in the cache)."""
+        seqs, steps = slots.shape
+        vocab = lm_head.out_features
+        hidden = final_norm.shape[0]
+        _expect(tuple(tokens.shape) == (seqs, steps + 1) and kv_slots.dim() == 2 and kv_slots.shape[0] == seqs
+                and all(tuple(t.shape) == (seqs,) for t in (first_position, steps_of, temperatures, keys, widths))
+                and ids.dim() == 3 and tuple(ids.shape[:2]) == (seqs, steps) and q.shape == ids.shape
+                and int(widths.max()) <= min(ids.shape[2], vocab) and int(steps_of.max()) <= steps
+                and lm_head.in_features == hidden
+                and (isinstance(embed, QuantizedPanelWeight) or tuple(embed.shape) == (vocab, hidden)),
+                lambda: f"draft_chain: tokens {tuple(tokens.shape)}, slots {tuple(slots.shape)}, kv_slots "
+                f"{tuple(kv_slots.shape)}, ids {tuple(ids.shape)}, widths {widths.tolist()}")
+        head = _projection(lm_head)
+        codes = _projection(embed) if isinstance(embed, QuantizedPanelWeight) else None
+        k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
+        status = self._lib.draft_chain(
+            table, len(table), _ptr(final_norm), ctypes.byref(head), None if codes else _ptr(embed),
+            ctypes.byref(codes) if codes else None, vocab, seqs, steps, _ptr(steps_of, torch.int64),
+            _ptr(tokens, torch.int64), _ptr(first_position, torch.int64), _ptr(slots, torch.int64),
+            _ptr(kv_slots, torch.int64), kv_slots.shape[1], _ptr(temperatures), _ptr(keys, torch.int64),
+            _ptr(widths, torch.int64), ids.shape[2], _ptr(ids, torch.int64), _ptr(q), hidden, heads, kv_heads,
+            k_cache.shape[-1], inter, eps, scale, _ptr(cos), _ptr(sin), k_data, v_data, k_cache.stride(0), f16)
+        if status == -1:
+            raise MemoryError("draft_chain: no memory for the passes' scratch")
+        return status == 0
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      eps: float) -> None:

@@ -8,6 +8,7 @@ from specdec.kv_cache import PagedKVCache, blocks_for_tokens
 from specdec.model.batch import TreeNodes, prepare_forward
 from specdec.model.cuda_graphs import GraphedPasses
 from specdec.model.decoder import Model, load_model
+from specdec.model.kernel_forward import kernel_draft_chain
 from specdec.model.memory_budget import CudaMemory, DeviceMemory, accelerator_num_blocks, bytes_per_block
 
 # Without an explicit size the cache holds this many sequences of the model's full context.
@@ -80,6 +81,19 @@ class ModelRunner:
             for seq_id, length in zip(seq_ids, lengths_before):
                 self.cache.truncate_to(seq_id, length)
             raise
+
+    def draft_chain(self, seq_ids: list[str], first_tokens: list[int], steps_of: list[int],
+                    temperatures: list[float], keys: list[int], widths: list[int]
+                    ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor] | None:
+        """A draft's passes after its first in one call where the model runs in the C kernels
+        (model.kernel_forward.kernel_draft_chain: the same bits as a pass and a pick each); None
+        elsewhere, or where that call leaves them to the caller's own passes."""
+        if self.model.kernels is None:
+            return None
+        chain = kernel_draft_chain(self.model, self.cache, seq_ids, first_tokens, steps_of, temperatures, keys,
+                                   widths)
+        self.forward_passes += max(steps_of) if chain is not None else 0
+        return chain
 
     def _pass(self, seq_ids: list[str], new_tokens: list[list[int]], num_logits: list[int],
               trees: list[TreeNodes | None] | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Pure, batched sampling math: logits transforms, per-request randomness, speculative verify."""
-from specdec.sampling.random import ACCEPT, DRAFT, TARGET, random_seed, uniforms
+from specdec.sampling.random import ACCEPT, DRAFT, TARGET, random_seed, stream_key, uniforms
 from specdec.sampling.speculative import (
     sample_from_probs,
     speculative_step_distribution,
@@ -27,6 +27,7 @@ __all__ = [
     "sample_from_probs",
     "speculative_step_distribution",
     "speculative_verify",
+    "stream_key",
     "top_entries",
     "uniforms",
 ]

@@ -87,17 +87,24 @@ def _mix64_word(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def stream_key(seed: int, purpose: str, rank: int = 0) -> int:
+    """The key of a request's stream for `purpose` (and tree rank) as a Python integer: its
+    uniform at `position` is mix64(key + (position + 1) * GAMMA) >> 11, times 2^-53 (the C
+    kernels' draft chain computes it from this key)."""
+    stream = int(seed) ^ int(_SALT[purpose])
+    if rank:
+        stream ^= _mix64_word((int(rank) * int(_GAMMA)) & _MASK)
+    return _mix64_word(stream)
+
+
 def _few_uniforms(seeds: Sequence[int], pos: np.ndarray, purpose: str, ranks: Sequence[int] | None) -> torch.Tensor:
     """uniforms() on the CPU for a few values, in Python's integers: the same bits as numpy's
     (a batch-1 step asks for 1-12 values; numpy's fixed cost per call was ~30 us)."""
-    salt, gamma = int(_SALT[purpose]), int(_GAMMA)
+    gamma = int(_GAMMA)
     rows = pos.reshape(len(seeds), -1).tolist() if pos.size else []
     values = []
     for r, (seed, row) in enumerate(zip(seeds, rows)):
-        stream = int(seed) ^ salt
-        if ranks is not None:
-            stream ^= _mix64_word((int(ranks[r]) * gamma) & _MASK)
-        key = _mix64_word(stream)
+        key = stream_key(seed, purpose, 0 if ranks is None else ranks[r])
         values += [(_mix64_word((key + (p + 1) * gamma) & _MASK) >> 11) * 2.0 ** -53 for p in row]
     return torch.from_numpy(np.array(values, dtype=np.float64).reshape(pos.shape))
 

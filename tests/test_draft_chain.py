@@ -1,0 +1,84 @@
+"""A draft's chain after its first token in one C call (ModelRunner.draft_chain): the same tokens
+and the same q, bit for bit, as the step-by-step drafter, and the cache as it was where it gives up."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from draft_worker.worker import build_drafter
+from specdec.model.cpu_kernels import load_cpu_kernels
+from specdec.params import SamplingParams
+from specdec.role_configs import DraftConfig
+from specdec.round_types import DraftTask
+
+from checkpoints import CONFIGS, FAMILY_CONFIGS, build_checkpoint
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler on this machine")
+
+# (config, weights): a float untied embedding, codes read back as a tied embedding's rows, head norms
+CASES = [("gqa_untied", "fp"), ("mha_tied", "q8"), ("qwen3_tied", "q4")]
+PARAMS = [SamplingParams(seed=1), SamplingParams(temperature=0.8, seed=2),
+          SamplingParams(temperature=1.3, top_k=7, seed=3), SamplingParams(temperature=0.6, seed=4)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{c}-{w}" for c, w in CASES])
+def drafters(request, tmp_path_factory):
+    """Two drafters of one random checkpoint: one with its chains in C, one stepping in Python."""
+    name, weights = request.param
+    settings = {**CONFIGS, **FAMILY_CONFIGS}[name]
+    path = build_checkpoint(Path(tmp_path_factory.mktemp(name)), **settings)
+    in_c, stepping = (build_drafter(DraftConfig(model=str(path), weights=weights, max_q_entries=16)) for _ in "ab")
+    stepping._chain_in_c = lambda *args: False
+    return in_c, stepping
+
+
+def proposals(drafter, tasks):
+    return [(p.tokens, None if p.q is None else (p.q.token_ids.tolist(), p.q.probs.tolist()))
+            for p in drafter.propose(tasks)]
+
+
+def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafters):
+    """Greedy, temperature and top-k requests side by side, each asking its own K (0-5) round
+    after round, with part of each proposal committed in between: every proposal equal."""
+    in_c, stepping = drafters
+    chains, draft_chain = [], in_c.runner.draft_chain
+    in_c.runner.draft_chain = lambda *args: chains.append(draft_chain(*args)) or chains[-1]
+    rng = random.Random(0)
+    vocab = in_c.runner.vocab_size
+    committed = {f"r{i}": [rng.randrange(vocab) for _ in range(3 + 4 * i)] for i in range(len(PARAMS))}
+    sent = {req_id: 0 for req_id in committed}
+    for _ in range(6):
+        tasks = []
+        for (req_id, tokens), params in zip(committed.items(), PARAMS):
+            tasks.append(DraftTask(req_id, tokens[sent[req_id]:], rng.randrange(6), params))
+            sent[req_id] = len(tokens)
+        expected = proposals(stepping, tasks)
+        assert proposals(in_c, tasks) == expected
+        for tokens, (drafted, _) in zip(committed.values(), expected):
+            tokens += drafted[:rng.randrange(len(drafted) + 1)] + [rng.randrange(vocab)]
+    assert in_c.runner.forward_passes == stepping.runner.forward_passes
+    assert sum(chain is not None for chain in chains) >= 4  # (the C path ran)
+    del in_c.runner.draft_chain
+
+
+def test_a_chain_that_cannot_run_in_c_is_stepped_in_python(drafters):
+    """A top-p request (a pick the C kernels do not make) keeps the whole round in Python steps,
+    and a chain that gives up in C (a NaN in a sampled row's logits) leaves the cache as it was."""
+    in_c, stepping = drafters
+    top_p = [DraftTask("p", [1, 2, 3], 4, SamplingParams(temperature=0.9, top_p=0.8, seed=5))]
+    assert proposals(in_c, top_p) == proposals(stepping, top_p)
+    runner = in_c.runner
+    runner.cache.add_sequence("nan")
+    runner.run(["nan"], [[4, 5, 6]], [1])
+    head = runner.model.weights.lm_head.panels
+    stored = head.panels.clone() if hasattr(head, "panels") else head.scales.clone()
+    try:
+        (head.panels if hasattr(head, "panels") else head.scales).fill_(float("nan"))
+        assert runner.draft_chain(["nan"], [7], [3], [0.8], [12345], [4]) is None
+        assert runner.cache.length("nan") == 3
+    finally:
+        (head.panels if hasattr(head, "panels") else head.scales).copy_(stored)
+    runner.cache.free_sequence("nan")
+

@@ -5,6 +5,8 @@ what it fed itself last round (the committed prefix plus its own guesses t1..t_{
 a pre-draft, the assumed tokens and the guesses after them, or after a tree, its nodes); it keeps
 the longest prefix that still agrees with the context, drops the rest, and feeds the remainder in
 the first of its k batched steps. A task with branches > 1 is drafted as a tree (draft_tree).
+Where the model runs in the C kernels and every pick is one they make (argmax, or temperature and
+top-k), the k steps are one call (ModelRunner.draft_chain): the same bits, no Python in between.
 """
 from __future__ import annotations
 
@@ -186,26 +188,26 @@ class ModelDrafter(Drafter):
             return task.branches
         return 1
 
-    def _chain_in_c(self, wanted: dict[str, int], feed: dict[str, list[int]], drafted: dict[str, list[int]],
-                    q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> bool:
-        """A round's chains after their first token in one call (ModelRunner.draft_chain: the same
-        tokens and q as the steps below, without Python between them), where every pick is one the
+    def _chain_in_c(self, step: int, wanted: dict[str, int], feed: dict[str, list[int]],
+                    drafted: dict[str, list[int]], q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> bool:
+        """The round's chains from `step` on in one call (ModelRunner.draft_chain: the same tokens
+        and q as the steps below, without Python between the passes), where every pick is one the
         C kernels make as choose_tokens would (the argmax, or temperature and top-k alone)."""
-        ids = [r for r in wanted if wanted[r] > 1]
+        ids = [r for r in wanted if wanted[r] > step]
         params = [self._seqs[r].params for r in ids]
         if not all(p.argmax_only or (not p.greedy and p.repetition_penalty == 1.0 and p.top_p == 1.0)
                    for p in params):
             return False
         most = min(self.max_q_entries or self.runner.vocab_size, self.runner.vocab_size)
         widths = [min(most, p.top_k or most) for p in params]
-        chain = self.runner.draft_chain(ids, [feed[r][0] for r in ids], [wanted[r] - 1 for r in ids],
+        chain = self.runner.draft_chain(ids, [feed[r] for r in ids], [wanted[r] - step for r in ids],
                                         [p.temperature for p in params],
                                         [0 if p.greedy else stream_key(p.seed, DRAFT) for p in params], widths)
         if chain is None:
             return False
         picks, top_ids, top_q = chain
         for i, (req_id, p, width) in enumerate(zip(ids, params, widths)):
-            self._seqs[req_id].fed += [drafted[req_id][-1], *picks[i][:-1]]  # (the last pick is not fed)
+            self._seqs[req_id].fed += [*feed[req_id], *picks[i][:-1]]  # (the last pick is not fed)
             drafted[req_id] += picks[i]
             if not p.greedy:
                 q_rows[req_id] += [(top_ids[i, s, :width], top_q[i, s, :width]) for s in range(len(picks[i]))]
@@ -221,7 +223,8 @@ class ModelDrafter(Drafter):
         drafted: dict[str, list[int]] = {t.req_id: [] for t in tasks}
         q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.req_id: [] for t in tasks}
         for step in range(max(wanted.values(), default=0)):
-            if step == 1 and not trees and self._chain_in_c(wanted, feed, drafted, q_rows):
+            # In one C call from the first pass, or from the second after a catch-up too long for one
+            if step <= 1 and not trees and self._chain_in_c(step, wanted, feed, drafted, q_rows):
                 break
             ids = [r for r in wanted if wanted[r] > step]
             seqs = [self._seqs[r] for r in ids]

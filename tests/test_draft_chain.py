@@ -1,5 +1,5 @@
-"""A draft's chain after its first token in one C call (ModelRunner.draft_chain): the same tokens
-and the same q, bit for bit, as the step-by-step drafter, and the cache as it was where it gives up."""
+"""A draft's chain in one C call (ModelRunner.draft_chain): the same tokens and the same q, bit for
+bit, as the step-by-step drafter, and the cache as it was where it gives up."""
 from __future__ import annotations
 
 import random
@@ -39,15 +39,20 @@ def proposals(drafter, tasks):
             for p in drafter.propose(tasks)]
 
 
-def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafters):
+@pytest.mark.parametrize("chunk_tokens", [None, 6], ids=["whole", "after-a-long-catch-up"])
+def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafters, chunk_tokens):
     """Greedy, temperature and top-k requests side by side, each asking its own K (0-5) round
-    after round, with part of each proposal committed in between: every proposal equal."""
+    after round, with part of each proposal committed in between: every proposal equal. A first
+    pass longer than a chunk runs as the drafter's own, the chain from the second pass."""
     in_c, stepping = drafters
+    chunk = in_c.runner.chunk_tokens
+    for drafter in drafters:
+        drafter.runner.chunk_tokens = chunk_tokens or chunk
     chains, draft_chain = [], in_c.runner.draft_chain
     in_c.runner.draft_chain = lambda *args: chains.append(draft_chain(*args)) or chains[-1]
     rng = random.Random(0)
     vocab = in_c.runner.vocab_size
-    committed = {f"r{i}": [rng.randrange(vocab) for _ in range(3 + 4 * i)] for i in range(len(PARAMS))}
+    committed = {f"{chunk_tokens}r{i}": [rng.randrange(vocab) for _ in range(3 + 4 * i)] for i in range(len(PARAMS))}
     sent = {req_id: 0 for req_id in committed}
     for _ in range(6):
         tasks = []
@@ -61,6 +66,8 @@ def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafter
     assert in_c.runner.forward_passes == stepping.runner.forward_passes
     assert sum(chain is not None for chain in chains) >= 4  # (the C path ran)
     del in_c.runner.draft_chain
+    for drafter in drafters:
+        drafter.runner.chunk_tokens = chunk
 
 
 def test_a_chain_that_cannot_run_in_c_is_stepped_in_python(drafters):
@@ -76,7 +83,7 @@ def test_a_chain_that_cannot_run_in_c_is_stepped_in_python(drafters):
     stored = head.panels.clone() if hasattr(head, "panels") else head.scales.clone()
     try:
         (head.panels if hasattr(head, "panels") else head.scales).fill_(float("nan"))
-        assert runner.draft_chain(["nan"], [7], [3], [0.8], [12345], [4]) is None
+        assert runner.draft_chain(["nan"], [[7]], [3], [0.8], [12345], [4]) is None
         assert runner.cache.length("nan") == 3
     finally:
         (head.panels if hasattr(head, "panels") else head.scales).copy_(stored)

@@ -1237,14 +1237,14 @@ int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final
     return 0;
 }
 
-/* --- a draft's chain: its steps after the first in one call ---------------------------------------
+/* --- a draft's chain in one call ------------------------------------------------------------------
 
-A draft proposes K tokens in K passes of one token per request. From Python each pass cost several
+A draft proposes K tokens in K passes: the first feeds each request what it has not seen (its
+catch-up), each later one the token the pass before picked. From Python each pass cost several
 times its arithmetic: between two passes the interpreter's own memory had left the caches to the
-weights, and each call into torch or ctypes found it cold. So the passes after a round's first
-(which feeds each request's catch-up) run here, each the same calls in the same order as
-kernel_forward's pass of one token per request and the draft's pick (argmax_rows, or sample_top
-with the request's DRAFT uniform), so the same bits. */
+weights, and each call into torch or ctypes found it cold. So the chain runs here, each pass the
+same calls in the same order as kernel_forward's pass over the same tokens and the draft's pick
+(argmax_rows, or sample_top with the request's DRAFT uniform), so the same bits. */
 
 /* SplitMix64's finalizer (specdec.sampling.random.mix64). */
 static inline uint64_t mix64(uint64_t x) {
@@ -1258,65 +1258,86 @@ static inline double stream_uniform(uint64_t key, int64_t position) {
     return (double)(mix64(key + ((uint64_t)position + 1) * 0x9E3779B97F4A7C15ULL) >> 11) * 0x1p-53;
 }
 
-/* `steps` passes over `seqs` requests: in pass s request i (while s < steps_of[i]) feeds
-   tokens[i][s] at position first_position[i] + s into cache slot slots[i][s] and picks
-   tokens[i][s + 1] from its logits: the argmax where temperatures[i] is 0, else the draw of
-   sample_top at that temperature over widths[i] tokens with the uniform of stream keys[i] at the
-   picked token's position, its ids and q into ids, q [seqs][steps][width]. tokens [seqs][steps +
-   1], slots [seqs][steps]; kv_slots [seqs][max_len] each request's cache slots by position. The
+/* Up to `steps` passes over `seqs` requests. Request i takes part in passes 0 .. steps_of[i] - 1
+   (>= 1): pass 0 feeds its feed_len[i] tokens of `feed` (the requests' feeds one after another),
+   pass s > 0 its pick of pass s - 1, at positions from first_position[i] on, into its cache
+   slots (`slots`: feed_len[i] + steps_of[i] - 1 a request, one request's after another's); each
+   pass picks picks[i][s] from the logits of the request's last token: the argmax where
+   temperatures[i] is 0, else the draw of sample_top at that temperature over widths[i] tokens with
+   the uniform of stream keys[i] at the picked token's position, its ids and q into ids, q
+   [seqs][steps][width]. kv_slots [seqs][max_len]: each request's cache slots by position. The
    embedding: rows [vocab][hidden] floats, or (rows NULL) the columns of `codes` (the LM head's,
    tied). Other arguments as decoder_layers takes them. Returns 0; -1 when memory ran out; -2
-   when a sampled row's logits held a NaN (torch's path then retells the chain). */
+   when a sampled row's logits held a NaN (the caller's passes in torch then retell the chain). */
 int draft_chain(const DecoderLayer *layers, int64_t count, const float *final_norm, const Projection *lm_head,
                 const float *rows, const Projection *codes, int64_t vocab, int64_t seqs, int64_t steps,
-                const int64_t *steps_of, int64_t *tokens, const int64_t *first_position, const int64_t *slots,
-                const int64_t *kv_slots, int64_t max_len, const float *temperatures, const uint64_t *keys,
-                const int64_t *widths, int64_t width, int64_t *ids, float *q, int64_t hidden, int64_t heads,
-                int64_t kv_heads, int64_t dim, int64_t inter, float eps, float scale, const float *cos,
-                const float *sin, void *k_cache, void *v_cache, int64_t layer_stride, int f16) {
+                const int64_t *steps_of, const int64_t *feed, const int64_t *feed_len, int64_t *picks,
+                const int64_t *first_position, const int64_t *slots, const int64_t *kv_slots, int64_t max_len,
+                const float *temperatures, const uint64_t *keys, const int64_t *widths, int64_t width,
+                int64_t *ids, float *q, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim,
+                int64_t inter, float eps, float scale, const float *cos, const float *sin, void *k_cache,
+                void *v_cache, int64_t layer_stride, int f16) {
+    int64_t most = seqs; /* the most tokens a pass feeds */
+    for (int64_t i = 0, fed = 0; i < seqs; i++) most = (fed += feed_len[i]) > most ? fed : most;
     const int64_t widths_of[5] = {(heads + 2 * kv_heads) * dim, heads * dim, hidden, 2 * inter, inter};
     int64_t sizes[5], total = 0;
-    for (int p = 0; p < 5; p++) total += sizes[p] = (seqs * widths_of[p] + 15) / 16 * 16;
-    float *x = malloc((size_t)(2 * seqs * hidden + total + seqs * vocab) * sizeof(float));
-    int64_t *index = malloc((size_t)(4 * seqs) * sizeof(int64_t));
+    for (int p = 0; p < 5; p++) total += sizes[p] = (most * widths_of[p] + 15) / 16 * 16;
+    float *x = malloc((size_t)(2 * most * hidden + total + seqs * hidden + seqs * vocab) * sizeof(float));
+    int64_t *index = malloc((size_t)(4 * most + 4 * seqs) * sizeof(int64_t));
     if (!x || !index) {
         free(x), free(index);
         return -1;
     }
-    float *h = x + seqs * hidden, *part[5], *logits = h + seqs * hidden + total;
-    part[0] = h + seqs * hidden;
+    float *h = x + most * hidden, *part[5], *last = h + most * hidden + total, *logits = last + seqs * hidden;
+    part[0] = h + most * hidden;
     for (int p = 1; p < 5; p++) part[p] = part[p - 1] + sizes[p - 1];
-    int64_t *fed = index, *positions = index + seqs, *slot = index + 2 * seqs, *row_seq = index + 3 * seqs;
+    int64_t *tokens = index, *positions = index + most, *slot = index + 2 * most, *row_seq = index + 3 * most;
+    int64_t *last_row = index + 4 * most, *picked_by = last_row + seqs, *feed_at = picked_by + seqs;
+    int64_t *slot_at = feed_at + seqs;
+    for (int64_t i = 0; i < seqs; i++) {
+        feed_at[i] = i ? feed_at[i - 1] + feed_len[i - 1] : 0;
+        slot_at[i] = i ? slot_at[i - 1] + feed_len[i - 1] + steps_of[i - 1] - 1 : 0;
+    }
     int status = 0;
     for (int64_t s = 0; s < steps && !status; s++) {
-        int64_t active = 0;
-        for (int64_t i = 0; i < seqs; i++)
-            if (s < steps_of[i]) {
-                fed[active] = tokens[i * (steps + 1) + s], positions[active] = first_position[i] + s;
-                slot[active] = slots[i * steps + s], row_seq[active++] = i;
+        int64_t fed = 0, active = 0;
+        for (int64_t i = 0; i < seqs; i++) {
+            if (s >= steps_of[i]) continue;
+            const int64_t n = s ? 1 : feed_len[i], past = s ? feed_len[i] + s - 1 : 0; /* (tokens before) */
+            for (int64_t j = 0; j < n; j++, fed++) {
+                tokens[fed] = s ? picks[i * steps + s - 1] : feed[feed_at[i] + j];
+                positions[fed] = first_position[i] + past + j, slot[fed] = slots[slot_at[i] + past + j];
+                row_seq[fed] = i;
             }
+            last_row[active] = fed - 1, picked_by[active++] = i;
+        }
         if (rows)
-            for (int64_t a = 0; a < active; a++) memcpy(x + a * hidden, rows + fed[a] * hidden, hidden * sizeof(float));
+            for (int64_t t = 0; t < fed; t++) memcpy(x + t * hidden, rows + tokens[t] * hidden, hidden * sizeof(float));
         else
-            quantized_columns(codes->weights, codes->scales, codes->mins, codes->bits, hidden, fed, active, x);
-        if (decoder_layers(layers, count, final_norm, x, h, part[0], part[1], part[2], part[3], part[4], active,
-                           hidden, heads, kv_heads, dim, inter, eps, scale, positions, cos, sin, slot, row_seq,
-                           kv_slots, max_len, k_cache, v_cache, layer_stride, f16) ||
-            project(h, active, hidden, lm_head, logits)) {
+            quantized_columns(codes->weights, codes->scales, codes->mins, codes->bits, hidden, tokens, fed, x);
+        if (decoder_layers(layers, count, final_norm, x, h, part[0], part[1], part[2], part[3], part[4], fed, hidden,
+                           heads, kv_heads, dim, inter, eps, scale, positions, cos, sin, slot, row_seq, kv_slots,
+                           max_len, k_cache, v_cache, layer_stride, f16)) {
+            status = -1;
+            break;
+        }
+        for (int64_t a = 0; a < active; a++) /* each request's last token: the rows that pick */
+            memcpy(last + a * hidden, h + last_row[a] * hidden, hidden * sizeof(float));
+        if (project(last, active, hidden, lm_head, logits)) {
             status = -1;
             break;
         }
         for (int64_t a = 0; a < active && !status; a++) {
-            const int64_t i = row_seq[a], at = i * steps + s;
-            int64_t *picked = tokens + i * (steps + 1) + s + 1;
+            const int64_t i = picked_by[a], at = i * steps + s;
             if (temperatures[i] == 0.0f) {
-                argmax_rows(logits + a * vocab, 1, vocab, picked);
+                argmax_rows(logits + a * vocab, 1, vocab, picks + at);
                 continue;
             }
             const int64_t drawn = sample_top(logits + a * vocab, vocab, widths[i], temperatures[i],
-                                             stream_uniform(keys[i], positions[a] + 1), ids + at * width, q + at * width);
+                                             stream_uniform(keys[i], positions[last_row[a]] + 1), ids + at * width,
+                                             q + at * width);
             if (drawn < 0) status = -2;
-            else *picked = ids[at * width + drawn];
+            else picks[at] = ids[at * width + drawn];
         }
     }
     free(x), free(index);

@@ -58,8 +58,8 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "quantized_columns": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "decoder_layers": ([_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P,
                         _P, _I, _P, _P, _I, _B], ctypes.c_int),
-    "draft_chain": ([_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I,
-                     _I, _I, _F, _F, _P, _P, _P, _P, _I, _B], ctypes.c_int),
+    "draft_chain": ([_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I,
+                     _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I, _B], ctypes.c_int),
 }
 
 
@@ -207,40 +207,45 @@ class CpuKernels:
         return h
 
     def draft_chain(self, table: ctypes.Array, final_norm: torch.Tensor, lm_head: PanelWeight | QuantizedPanelWeight,
-                    embed: torch.Tensor | QuantizedPanelWeight, tokens: torch.Tensor, first_position: torch.Tensor,
-                    steps_of: torch.Tensor, slots: torch.Tensor, kv_slots: torch.Tensor, temperatures: torch.Tensor,
-                    keys: torch.Tensor, widths: torch.Tensor, ids: torch.Tensor, q: torch.Tensor, heads: int,
-                    kv_heads: int, inter: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """A draft's passes of one token per sequence, each sequence's pick fed to its next pass
-        (cpu_kernels.c's draft_chain: decoder_layers, the LM head, the pick). tokens [S, steps + 1]
-        int64: column 0 what each sequence feeds first, then its picks; first_position, steps_of [S]
-        int64; slots [S, steps], kv_slots [S, L] int64; temperatures [S] (0: argmax); keys [S]
-        int64 (each sequence's DRAFT stream key, uint64 bits); widths [S] int64; ids [S, steps, n]
-        int64 and q [S, steps, n]: a sampled pick's top tokens and their q. lm_head: the LM head's
-        panels; embed: the embedding's rows [V, hidden], or (tied) the LM head's codes. False
-        where a sampled row's logits held a NaN (the passes' K/V are then in the cache)."""
-        seqs, steps = slots.shape
-        vocab = lm_head.out_features
-        hidden = final_norm.shape[0]
-        _expect(tuple(tokens.shape) == (seqs, steps + 1) and kv_slots.dim() == 2 and kv_slots.shape[0] == seqs
-                and all(tuple(t.shape) == (seqs,) for t in (first_position, steps_of, temperatures, keys, widths))
-                and ids.dim() == 3 and tuple(ids.shape[:2]) == (seqs, steps) and q.shape == ids.shape
-                and int(widths.max()) <= min(ids.shape[2], vocab) and int(steps_of.max()) <= steps
-                and lm_head.in_features == hidden
+                    embed: torch.Tensor | QuantizedPanelWeight, feed: torch.Tensor, feed_len: torch.Tensor,
+                    steps_of: torch.Tensor, picks: torch.Tensor, first_position: torch.Tensor, slots: torch.Tensor,
+                    kv_slots: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, widths: torch.Tensor,
+                    ids: torch.Tensor, q: torch.Tensor, heads: int, kv_heads: int, inter: int, eps: float,
+                    scale: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> bool:
+        """A draft's passes, each request's pick fed to its next pass (cpu_kernels.c's draft_chain:
+        decoder_layers, the LM head on each request's last token, the pick). All int64 but
+        temperatures: feed [sum feed_len] (what each request feeds first, one after another),
+        feed_len, steps_of (its passes), first_position, temperatures (0: argmax) and widths [S];
+        keys [S] (each request's DRAFT stream key, uint64 bits); picks [S, steps] (out); slots [sum
+        feed_len + steps_of - 1]; kv_slots [S, L]; ids [S, steps, n] and q [S, steps, n]: a
+        sampled pick's top tokens and their q (out). lm_head: the LM head's panels; embed: the
+        embedding's rows [V, hidden], or (tied) the LM head's codes. False where a sampled row's
+        logits held a NaN (the passes' K/V are then in the cache)."""
+        seqs, steps = picks.shape
+        vocab, hidden = lm_head.out_features, final_norm.shape[0]
+        _expect(all(tuple(t.shape) == (seqs,) for t in (feed_len, steps_of, first_position, temperatures, keys, widths))
+                and seqs > 0 and int(feed_len.min()) > 0 and 0 < int(steps_of.min()) and int(steps_of.max()) <= steps
+                and tuple(feed.shape) == (int(feed_len.sum()),)
+                and tuple(slots.shape) == (int(feed_len.sum() + steps_of.sum()) - seqs,)
+                and kv_slots.dim() == 2 and kv_slots.shape[0] == seqs and ids.dim() == 3
+                and tuple(ids.shape[:2]) == (seqs, steps) and q.shape == ids.shape
+                and int(widths.max()) <= min(ids.shape[2], vocab) and lm_head.in_features == hidden
                 and (isinstance(embed, QuantizedPanelWeight) or tuple(embed.shape) == (vocab, hidden)),
-                lambda: f"draft_chain: tokens {tuple(tokens.shape)}, slots {tuple(slots.shape)}, kv_slots "
-                f"{tuple(kv_slots.shape)}, ids {tuple(ids.shape)}, widths {widths.tolist()}")
+                lambda: f"draft_chain: feed {tuple(feed.shape)} in {feed_len.tolist()}, steps {steps_of.tolist()}, "
+                f"picks {tuple(picks.shape)}, slots {tuple(slots.shape)}, kv_slots {tuple(kv_slots.shape)}, ids "
+                f"{tuple(ids.shape)}, widths {widths.tolist()}")
         head = _projection(lm_head)
         codes = _projection(embed) if isinstance(embed, QuantizedPanelWeight) else None
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.draft_chain(
             table, len(table), _ptr(final_norm), ctypes.byref(head), None if codes else _ptr(embed),
             ctypes.byref(codes) if codes else None, vocab, seqs, steps, _ptr(steps_of, torch.int64),
-            _ptr(tokens, torch.int64), _ptr(first_position, torch.int64), _ptr(slots, torch.int64),
-            _ptr(kv_slots, torch.int64), kv_slots.shape[1], _ptr(temperatures), _ptr(keys, torch.int64),
-            _ptr(widths, torch.int64), ids.shape[2], _ptr(ids, torch.int64), _ptr(q), hidden, heads, kv_heads,
-            k_cache.shape[-1], inter, eps, scale, _ptr(cos), _ptr(sin), k_data, v_data, k_cache.stride(0), f16)
+            _ptr(feed, torch.int64), _ptr(feed_len, torch.int64), _ptr(picks, torch.int64),
+            _ptr(first_position, torch.int64), _ptr(slots, torch.int64), _ptr(kv_slots, torch.int64),
+            kv_slots.shape[1], _ptr(temperatures), _ptr(keys, torch.int64), _ptr(widths, torch.int64), ids.shape[2],
+            _ptr(ids, torch.int64), _ptr(q), hidden, heads, kv_heads, k_cache.shape[-1], inter, eps, scale, _ptr(cos),
+            _ptr(sin), k_data, v_data, k_cache.stride(0), f16)
         if status == -1:
             raise MemoryError("draft_chain: no memory for the passes' scratch")
         return status == 0

@@ -39,42 +39,42 @@ def kernel_forward(model, batch: ForwardBatch, cache: PagedKVCache) -> torch.Ten
 
 
 @torch.inference_mode()
-def kernel_draft_chain(model, cache: PagedKVCache, seq_ids: list[str], first_tokens: list[int], steps_of: list[int],
+def kernel_draft_chain(model, cache: PagedKVCache, seq_ids: list[str], feeds: list[list[int]], steps_of: list[int],
                        temperatures: list[float], keys: list[int], widths: list[int]
                        ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor] | None:
-    """steps_of[i] passes of one token for sequence seq_ids[i] in one C call, the first feeding
-    first_tokens[i], each later one the pick of the pass before (the argmax where temperatures[i]
-    is 0, else a draw over the widths[i] largest logits at that temperature with DRAFT stream
-    keys[i]): the bits that as many kernel_forward passes and picks give. -> (each sequence's picks,
-    ids [S, steps, n], q [S, steps, n] of the sampled ones: a pass's top tokens and their q), or
-    None, the cache as it was, where a pass would go past the rotary table or a sampled row's
-    logits held a NaN (the caller's own passes then say what to do)."""
+    """steps_of[i] (>= 1) passes for sequence seq_ids[i] in one C call: the first feeds feeds[i],
+    each later one the pick of the pass before (the argmax where temperatures[i] is 0, else a draw
+    over the widths[i] largest logits at that temperature with DRAFT stream keys[i]), each pick from
+    the logits of the sequence's last token: the bits that as many kernel_forward passes and picks
+    give. -> (each sequence's picks, ids [S, steps, n], q [S, steps, n] of the sampled ones: a
+    pass's top tokens and their q), or None, the cache as it was, where a pass would go past the
+    rotary table or a sampled row's logits held a NaN (the caller's own passes then say what to do)."""
     c, w = model.config, model.weights
-    steps, lengths = max(steps_of), [cache.length(s) for s in seq_ids]
-    if max(n + s for n, s in zip(lengths, steps_of)) > model.rotary.cos.shape[0]:
+    count, steps, lengths = len(seq_ids), max(steps_of), [cache.length(s) for s in seq_ids]
+    if max(n + len(f) + s - 1 for n, f, s in zip(lengths, feeds, steps_of)) > model.rotary.cos.shape[0]:
         return None
     slots: list[int] = []
     done = False
     try:
-        for seq_id, n in zip(seq_ids, steps_of):
-            slots += cache.append_slots(seq_id, n) + [0] * (steps - n)
+        for seq_id, fed, n in zip(seq_ids, feeds, steps_of):
+            slots += cache.append_slots(seq_id, len(fed) + n - 1)
         size = cache.block_size
         tables = [cache.block_table(s) for s in seq_ids]
         width_blocks = max(map(len, tables))
         kv_slots = [b * size + o for table in tables for b in table + [0] * (width_blocks - len(table))
                     for o in range(size)]
-        count, keys = len(seq_ids), [k - (1 << 64) if k >= 1 << 63 else k for k in keys]  # (uint64 bits)
-        tokens = [v for first in first_tokens for v in (first, *[0] * steps)]
+        keys = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]  # (uint64 bits)
+        feed = [t for fed in feeds for t in fed]
         # Every index in one buffer, split into views (each tensor made between passes costs ~10 us)
-        host = torch.frombuffer(array("q", [*kv_slots, *slots, *lengths, *steps_of, *widths, *keys, *tokens]),
-                                dtype=torch.int64)
-        kv_slots_t, slots_t, first_t, steps_t, widths_t, keys_t, tokens_t = host.split_with_sizes(
-            [len(kv_slots), len(slots), count, count, count, count, len(tokens)])
+        host = torch.frombuffer(array("q", [*kv_slots, *slots, *lengths, *steps_of, *widths, *keys,
+                                            *map(len, feeds), *feed, *[0] * (count * steps)]), dtype=torch.int64)
+        kv_slots_t, slots_t, first_t, steps_t, widths_t, keys_t, feed_len_t, feed_t, picks_t = host.split_with_sizes(
+            [len(kv_slots), len(slots), count, count, count, count, count, len(feed), count * steps])
         ids = torch.empty(count, steps, max(widths), dtype=torch.int64)  # (past a row's width: unread)
         q = torch.empty(count, steps, max(widths))
         done = model.kernels.draft_chain(
-            model.layer_table, w.final_norm, w.lm_head.panels, w.embed, tokens_t.view(count, steps + 1), first_t,
-            steps_t, slots_t.view(count, steps), kv_slots_t.view(count, width_blocks * size),
+            model.layer_table, w.final_norm, w.lm_head.panels, w.embed, feed_t, feed_len_t, steps_t,
+            picks_t.view(count, steps), first_t, slots_t, kv_slots_t.view(count, width_blocks * size),
             torch.frombuffer(array("f", temperatures), dtype=torch.float32), keys_t, widths_t, ids, q,
             c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.rms_norm_eps, model.scale,
             model.rotary.cos, model.rotary.sin, cache.k, cache.v)
@@ -84,5 +84,5 @@ def kernel_draft_chain(model, cache: PagedKVCache, seq_ids: list[str], first_tok
                 cache.truncate_to(seq_id, length)
     if not done:
         return None
-    picks = tokens_t.tolist()
-    return [picks[i * (steps + 1) + 1:i * (steps + 1) + 1 + n] for i, n in enumerate(steps_of)], ids, q
+    picks = picks_t.tolist()
+    return [picks[i * steps:i * steps + n] for i, n in enumerate(steps_of)], ids, q

@@ -82,16 +82,15 @@ class ModelRunner:
                 self.cache.truncate_to(seq_id, length)
             raise
 
-    def draft_chain(self, seq_ids: list[str], first_tokens: list[int], steps_of: list[int],
+    def draft_chain(self, seq_ids: list[str], feeds: list[list[int]], steps_of: list[int],
                     temperatures: list[float], keys: list[int], widths: list[int]
                     ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor] | None:
-        """A draft's passes after its first in one call where the model runs in the C kernels
-        (model.kernel_forward.kernel_draft_chain: the same bits as a pass and a pick each); None
-        elsewhere, or where that call leaves them to the caller's own passes."""
-        if self.model.kernels is None:
+        """A draft's passes in one call where the model runs in the C kernels and the first pass fits
+        one chunk (model.kernel_forward.kernel_draft_chain: the same bits as a pass and a pick
+        each); None elsewhere, or where that call leaves them to the caller's own passes."""
+        if self.model.kernels is None or sum(map(len, feeds)) > self.chunk_tokens:
             return None
-        chain = kernel_draft_chain(self.model, self.cache, seq_ids, first_tokens, steps_of, temperatures, keys,
-                                   widths)
+        chain = kernel_draft_chain(self.model, self.cache, seq_ids, feeds, steps_of, temperatures, keys, widths)
         self.forward_passes += max(steps_of) if chain is not None else 0
         return chain
 

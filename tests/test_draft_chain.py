@@ -3,6 +3,8 @@ bit, as the step-by-step drafter, and the cache as it was where it gives up."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,14 @@ def test_a_chain_that_cannot_run_in_c_is_stepped_in_python(drafters):
         (head.panels if hasattr(head, "panels") else head.scales).copy_(stored)
     runner.cache.free_sequence("nan")
 
+
+
+def test_the_speed_script_times_the_three_engines_on_the_shipped_pair():
+    """scripts/draft_chain_speed.py (a smoke run): a line per engine and the two ratios."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_chain_speed.py"
+    run = subprocess.run([sys.executable, str(script), "--num-prompts", "1", "--max-new-tokens", "6", "--repeats",
+                          "1", "--temperature", "0.8", "--fixed-k", "3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["plain", "stepping", "chain", "chain", "chain"]
+    assert all("tok/s" in line for line in lines[:3]) and all(line.rstrip().endswith(")") for line in lines[3:])

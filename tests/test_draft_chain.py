@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from draft_worker.worker import build_drafter
-from specdec.model.cpu_kernels import load_cpu_kernels
+from specdec.model.cpu_kernels import KernelArgumentError, load_cpu_kernels
 from specdec.params import SamplingParams
 from specdec.role_configs import DraftConfig
 from specdec.round_types import DraftTask
@@ -72,9 +72,10 @@ def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafter
         drafter.runner.chunk_tokens = chunk
 
 
-def test_a_chain_that_cannot_run_in_c_is_stepped_in_python(drafters):
-    """A top-p request (a pick the C kernels do not make) keeps the whole round in Python steps,
-    and a chain that gives up in C (a NaN in a sampled row's logits) leaves the cache as it was."""
+def test_a_chain_that_cannot_run_in_c_is_stepped_in_python_or_refused(drafters):
+    """A top-p request (a pick the C kernels do not make) keeps the whole round in Python steps;
+    a chain that gives up in C (a NaN in a sampled row's logits) or is refused (a token past the
+    vocabulary) leaves the cache as it was."""
     in_c, stepping = drafters
     top_p = [DraftTask("p", [1, 2, 3], 4, SamplingParams(temperature=0.9, top_p=0.8, seed=5))]
     assert proposals(in_c, top_p) == proposals(stepping, top_p)
@@ -89,6 +90,10 @@ def test_a_chain_that_cannot_run_in_c_is_stepped_in_python(drafters):
         assert runner.cache.length("nan") == 3
     finally:
         (head.panels if hasattr(head, "panels") else head.scales).copy_(stored)
+    vocab = runner.vocab_size
+    with pytest.raises(KernelArgumentError, match="draft_chain"):  # (C would read past the embedding)
+        runner.draft_chain(["nan"], [[vocab]], [2], [0.0], [0], [1])
+    assert runner.cache.length("nan") == 3
     runner.cache.free_sequence("nan")
 
 

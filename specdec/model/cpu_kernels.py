@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 
@@ -207,48 +208,59 @@ class CpuKernels:
         return h
 
     def draft_chain(self, table: ctypes.Array, final_norm: torch.Tensor, lm_head: PanelWeight | QuantizedPanelWeight,
-                    embed: torch.Tensor | QuantizedPanelWeight, feed: torch.Tensor, feed_len: torch.Tensor,
-                    steps_of: torch.Tensor, picks: torch.Tensor, first_position: torch.Tensor, slots: torch.Tensor,
-                    kv_slots: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, widths: torch.Tensor,
-                    ids: torch.Tensor, q: torch.Tensor, heads: int, kv_heads: int, inter: int, eps: float,
-                    scale: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor) -> bool:
+                    embed: torch.Tensor | QuantizedPanelWeight, feeds: list[list[int]], steps_of: list[int],
+                    first_position: list[int], slots: list[int], kv_slots: list[int], temperatures: list[float],
+                    keys: list[int], widths: list[int], heads: int, kv_heads: int, inter: int, eps: float, scale: float,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                    ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor] | None:
         """A draft's passes, each request's pick fed to its next pass (cpu_kernels.c's draft_chain:
-        decoder_layers, the LM head on each request's last token, the pick). All int64 but
-        temperatures: feed [sum feed_len] (what each request feeds first, one after another),
-        feed_len, steps_of (its passes), first_position, temperatures (0: argmax) and widths [S];
-        keys [S] (each request's DRAFT stream key, uint64 bits); picks [S, steps] (out); slots [sum
-        feed_len + steps_of - 1]; kv_slots [S, L]; ids [S, steps, n] and q [S, steps, n]: a
-        sampled pick's top tokens and their q (out). lm_head: the LM head's panels; embed: the
-        embedding's rows [V, hidden], or (tied) the LM head's codes. False where a sampled row's
-        logits held a NaN (the passes' K/V are then in the cache)."""
-        seqs, steps = picks.shape
-        vocab, hidden = lm_head.out_features, final_norm.shape[0]
-        _expect(all(tuple(t.shape) == (seqs,) for t in (feed_len, steps_of, first_position, temperatures, keys, widths))
-                and seqs > 0 and int(feed_len.min()) > 0 and 0 < int(steps_of.min()) and int(steps_of.max()) <= steps
-                and tuple(feed.shape) == (int(feed_len.sum()),)
-                and tuple(slots.shape) == (int(feed_len.sum() + steps_of.sum()) - seqs,)
-                and kv_slots.dim() == 2 and kv_slots.shape[0] == seqs and ids.dim() == 3
-                and tuple(ids.shape[:2]) == (seqs, steps) and q.shape == ids.shape
-                and int(widths.max()) <= min(ids.shape[2], vocab) and lm_head.in_features == hidden
+        decoder_layers, the LM head on each request's last token, the pick). Request i takes
+        steps_of[i] passes from position first_position[i], the first feeding feeds[i]; slots: the
+        cache slots of what it feeds (feeds[i], then its picks but the last), one request's after
+        another's; kv_slots: each request's slots by position, S rows of equal length, flat;
+        temperatures[i] (0: argmax), widths[i] (its q's size) and keys[i] (its DRAFT stream key)
+        choose its picks. Lists in, since each tensor checked between passes costs microseconds:
+        -> (each request's picks, ids [S, steps, n], q [S, steps, n]: a sampled pick's top tokens
+        and their q), or None where a sampled row's logits held a NaN (the passes' K/V then in the
+        cache)."""
+        seqs, vocab, hidden = len(feeds), lm_head.out_features, final_norm.shape[0]
+        steps, feed = max(steps_of, default=0), [t for fed in feeds for t in fed]
+        span = len(kv_slots) // max(seqs, 1)
+        _expect(seqs > 0 and len(steps_of) == len(first_position) == len(temperatures) == len(keys) == len(widths)
+                == seqs and min(steps_of) > 0 and min(map(len, feeds)) > 0 and 0 <= min(feed) and max(feed) < vocab
+                and 0 < min(widths) and max(widths) <= vocab and len(slots) == len(feed) + sum(steps_of) - seqs
+                and len(kv_slots) == span * seqs and lm_head.in_features == hidden
+                and all(0 <= p and p + len(fed) + n - 1 <= span
+                        for p, fed, n in zip(first_position, feeds, steps_of))
                 and (isinstance(embed, QuantizedPanelWeight) or tuple(embed.shape) == (vocab, hidden)),
-                lambda: f"draft_chain: feed {tuple(feed.shape)} in {feed_len.tolist()}, steps {steps_of.tolist()}, "
-                f"picks {tuple(picks.shape)}, slots {tuple(slots.shape)}, kv_slots {tuple(kv_slots.shape)}, ids "
-                f"{tuple(ids.shape)}, widths {widths.tolist()}")
+                lambda: f"draft_chain: feeds of {list(map(len, feeds))} tokens, steps {steps_of}, positions "
+                f"{first_position}, {len(slots)} slots, {len(kv_slots)} kv slots, widths {widths}, vocab {vocab}")
+        keys = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]  # (uint64 bits)
+        # The indices in one buffer, split into views
+        host = torch.frombuffer(array("q", [*kv_slots, *slots, *first_position, *steps_of, *widths, *keys,
+                                            *map(len, feeds), *feed, *[0] * (seqs * steps)]), dtype=torch.int64)
+        picks = host[len(host) - seqs * steps:]
+        ids = torch.empty(seqs, steps, max(widths), dtype=torch.int64)  # (past a row's width: unread)
+        q = torch.empty(seqs, steps, max(widths))
         head = _projection(lm_head)
         codes = _projection(embed) if isinstance(embed, QuantizedPanelWeight) else None
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
+        counts = [len(kv_slots), len(slots), seqs, seqs, seqs, seqs, seqs]  # (the parts before `feed`)
+        kv_at, slots_at, first_at, steps_at, widths_at, keys_at, lengths_at, feed_at = (
+            host.data_ptr() + 8 * offset for offset in itertools.accumulate(counts, initial=0))
+        temperature = torch.frombuffer(array("f", temperatures), dtype=torch.float32)
         status = self._lib.draft_chain(
             table, len(table), _ptr(final_norm), ctypes.byref(head), None if codes else _ptr(embed),
-            ctypes.byref(codes) if codes else None, vocab, seqs, steps, _ptr(steps_of, torch.int64),
-            _ptr(feed, torch.int64), _ptr(feed_len, torch.int64), _ptr(picks, torch.int64),
-            _ptr(first_position, torch.int64), _ptr(slots, torch.int64), _ptr(kv_slots, torch.int64),
-            kv_slots.shape[1], _ptr(temperatures), _ptr(keys, torch.int64), _ptr(widths, torch.int64), ids.shape[2],
+            ctypes.byref(codes) if codes else None, vocab, seqs, steps, steps_at, feed_at, lengths_at,
+            picks.data_ptr(), first_at, slots_at, kv_at, span, _ptr(temperature), keys_at, widths_at, ids.shape[2],
             _ptr(ids, torch.int64), _ptr(q), hidden, heads, kv_heads, k_cache.shape[-1], inter, eps, scale, _ptr(cos),
             _ptr(sin), k_data, v_data, k_cache.stride(0), f16)
         if status == -1:
             raise MemoryError("draft_chain: no memory for the passes' scratch")
-        return status == 0
+        if status:
+            return None
+        chosen = picks.tolist()
+        return [chosen[i * steps:i * steps + n] for i, n in enumerate(steps_of)], ids, q
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      eps: float) -> None:

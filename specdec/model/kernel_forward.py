@@ -11,8 +11,6 @@ updated in place: each norm first adds the previous block's output to it.
 """
 from __future__ import annotations
 
-from array import array
-
 import torch
 
 from specdec.kv_cache import PagedKVCache
@@ -50,39 +48,22 @@ def kernel_draft_chain(model, cache: PagedKVCache, seq_ids: list[str], feeds: li
     pass's top tokens and their q), or None, the cache as it was, where a pass would go past the
     rotary table or a sampled row's logits held a NaN (the caller's own passes then say what to do)."""
     c, w = model.config, model.weights
-    count, steps, lengths = len(seq_ids), max(steps_of), [cache.length(s) for s in seq_ids]
+    lengths = [cache.length(s) for s in seq_ids]
     if max(n + len(f) + s - 1 for n, f, s in zip(lengths, feeds, steps_of)) > model.rotary.cos.shape[0]:
         return None
-    slots: list[int] = []
-    done = False
+    chain = None
     try:
-        for seq_id, fed, n in zip(seq_ids, feeds, steps_of):
-            slots += cache.append_slots(seq_id, len(fed) + n - 1)
-        size = cache.block_size
-        tables = [cache.block_table(s) for s in seq_ids]
-        width_blocks = max(map(len, tables))
-        kv_slots = [b * size + o for table in tables for b in table + [0] * (width_blocks - len(table))
-                    for o in range(size)]
-        keys = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]  # (uint64 bits)
-        feed = [t for fed in feeds for t in fed]
-        # Every index in one buffer, split into views (each tensor made between passes costs ~10 us)
-        host = torch.frombuffer(array("q", [*kv_slots, *slots, *lengths, *steps_of, *widths, *keys,
-                                            *map(len, feeds), *feed, *[0] * (count * steps)]), dtype=torch.int64)
-        kv_slots_t, slots_t, first_t, steps_t, widths_t, keys_t, feed_len_t, feed_t, picks_t = host.split_with_sizes(
-            [len(kv_slots), len(slots), count, count, count, count, count, len(feed), count * steps])
-        ids = torch.empty(count, steps, max(widths), dtype=torch.int64)  # (past a row's width: unread)
-        q = torch.empty(count, steps, max(widths))
-        done = model.kernels.draft_chain(
-            model.layer_table, w.final_norm, w.lm_head.panels, w.embed, feed_t, feed_len_t, steps_t,
-            picks_t.view(count, steps), first_t, slots_t, kv_slots_t.view(count, width_blocks * size),
-            torch.frombuffer(array("f", temperatures), dtype=torch.float32), keys_t, widths_t, ids, q,
-            c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.rms_norm_eps, model.scale,
-            model.rotary.cos, model.rotary.sin, cache.k, cache.v)
+        slots = [slot for seq_id, fed, n in zip(seq_ids, feeds, steps_of)
+                 for slot in cache.append_slots(seq_id, len(fed) + n - 1)]
+        size, tables = cache.block_size, [cache.block_table(s) for s in seq_ids]
+        blocks = max(map(len, tables))  # (each request's row of slots as long as the longest's)
+        kv_slots = [b * size + o for table in tables for b in table + [0] * (blocks - len(table)) for o in range(size)]
+        chain = model.kernels.draft_chain(
+            model.layer_table, w.final_norm, w.lm_head.panels, w.embed, feeds, steps_of, lengths, slots, kv_slots,
+            temperatures, keys, widths, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
+            c.rms_norm_eps, model.scale, model.rotary.cos, model.rotary.sin, cache.k, cache.v)
     finally:
-        if not done:  # (a failed or NaN chain leaves the cache as it found it)
+        if chain is None:  # (a failed or NaN chain leaves the cache as it found it)
             for seq_id, length in zip(seq_ids, lengths):
                 cache.truncate_to(seq_id, length)
-    if not done:
-        return None
-    picks = picks_t.tolist()
-    return [picks[i * steps:i * steps + n] for i, n in enumerate(steps_of)], ids, q
+    return chain

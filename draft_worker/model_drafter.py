@@ -199,7 +199,8 @@ class ModelDrafter(Drafter):
                    for p in params):
             return False
         most = min(self.max_q_entries or self.runner.vocab_size, self.runner.vocab_size)
-        widths = [min(most, p.top_k or most) for p in params]
+        # (width 0: the argmax; a temperature too small for float32 still draws, as choose_tokens does)
+        widths = [0 if p.greedy else min(most, p.top_k or most) for p in params]
         chain = self.runner.draft_chain(ids, [feed[r] for r in ids], [wanted[r] - step for r in ids],
                                         [p.temperature for p in params],
                                         [0 if p.greedy else stream_key(p.seed, DRAFT) for p in params], widths)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compile
 # (config, weights): a float untied embedding, codes read back as a tied embedding's rows, head norms
 CASES = [("gqa_untied", "fp"), ("mha_tied", "q8"), ("qwen3_tied", "q4")]
 PARAMS = [SamplingParams(seed=1), SamplingParams(temperature=0.8, seed=2),
-          SamplingParams(temperature=1.3, top_k=7, seed=3), SamplingParams(temperature=0.6, seed=4)]
+          SamplingParams(temperature=1.3, top_k=7, seed=3), SamplingParams(temperature=0.6, seed=4),
+          SamplingParams(temperature=1e-300, seed=5)]  # (0 in float32, yet a draw: not the argmax)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{c}-{w}" for c, w in CASES])
@@ -43,9 +44,10 @@ def proposals(drafter, tasks):
 
 @pytest.mark.parametrize("chunk_tokens", [None, 6], ids=["whole", "after-a-long-catch-up"])
 def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafters, chunk_tokens):
-    """Greedy, temperature and top-k requests side by side, each asking its own K (0-5) round
-    after round, with part of each proposal committed in between: every proposal equal. A first
-    pass longer than a chunk runs as the drafter's own, the chain from the second pass."""
+    """Greedy, temperature (one below float32's range too) and top-k requests side by side, each
+    asking its own K (0-5) round after round, with part of each proposal committed in between:
+    every proposal equal. A first pass longer than a chunk runs as the drafter's own, the chain
+    from the second pass."""
     in_c, stepping = drafters
     chunk = in_c.runner.chunk_tokens
     for drafter in drafters:

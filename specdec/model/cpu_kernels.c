@@ -1262,9 +1262,9 @@ static inline double stream_uniform(uint64_t key, int64_t position) {
    (>= 1): pass 0 feeds its feed_len[i] tokens of `feed` (the requests' feeds one after another),
    pass s > 0 its pick of pass s - 1, at positions from first_position[i] on, into its cache
    slots (`slots`: feed_len[i] + steps_of[i] - 1 a request, one request's after another's); each
-   pass picks picks[i][s] from the logits of the request's last token: the argmax where
-   temperatures[i] is 0, else the draw of sample_top at that temperature over widths[i] tokens with
-   the uniform of stream keys[i] at the picked token's position, its ids and q into ids, q
+   pass picks picks[i][s] from the logits of the request's last token: the argmax where widths[i]
+   is 0, else the draw of sample_top at temperatures[i] over widths[i] tokens with the uniform of
+   stream keys[i] at the picked token's position, its ids and q into ids, q
    [seqs][steps][width]. kv_slots [seqs][max_len]: each request's cache slots by position. The
    embedding: rows [vocab][hidden] floats, or (rows NULL) the columns of `codes` (the LM head's,
    tied). Other arguments as decoder_layers takes them. Returns 0; -1 when memory ran out; -2
@@ -1329,7 +1329,7 @@ int draft_chain(const DecoderLayer *layers, int64_t count, const float *final_no
         }
         for (int64_t a = 0; a < active && !status; a++) {
             const int64_t i = picked_by[a], at = i * steps + s;
-            if (temperatures[i] == 0.0f) {
+            if (widths[i] == 0) {
                 argmax_rows(logits + a * vocab, 1, vocab, picks + at);
                 continue;
             }

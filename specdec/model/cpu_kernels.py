@@ -218,7 +218,7 @@ class CpuKernels:
         steps_of[i] passes from position first_position[i], the first feeding feeds[i]; slots: the
         cache slots of what it feeds (feeds[i], then its picks but the last), one request's after
         another's; kv_slots: each request's slots by position, S rows of equal length, flat;
-        temperatures[i] (0: argmax), widths[i] (its q's size) and keys[i] (its DRAFT stream key)
+        widths[i] (its q's size; 0: the argmax), temperatures[i] and keys[i] (its DRAFT stream key)
         choose its picks. Lists in, since each tensor checked between passes costs microseconds:
         -> (each request's picks, ids [S, steps, n], q [S, steps, n]: a sampled pick's top tokens
         and their q), or None where a sampled row's logits held a NaN (the passes' K/V then in the
@@ -228,7 +228,7 @@ class CpuKernels:
         span = len(kv_slots) // max(seqs, 1)
         _expect(seqs > 0 and len(steps_of) == len(first_position) == len(temperatures) == len(keys) == len(widths)
                 == seqs and min(steps_of) > 0 and min(map(len, feeds)) > 0 and 0 <= min(feed) and max(feed) < vocab
-                and 0 < min(widths) and max(widths) <= vocab and len(slots) == len(feed) + sum(steps_of) - seqs
+                and 0 <= min(widths) and max(widths) <= vocab and len(slots) == len(feed) + sum(steps_of) - seqs
                 and len(kv_slots) == span * seqs and lm_head.in_features == hidden
                 and all(0 <= p and p + len(fed) + n - 1 <= span
                         for p, fed, n in zip(first_position, feeds, steps_of))

@@ -41,8 +41,8 @@ def kernel_draft_chain(model, cache: PagedKVCache, seq_ids: list[str], feeds: li
                        temperatures: list[float], keys: list[int], widths: list[int]
                        ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor] | None:
     """steps_of[i] (>= 1) passes for sequence seq_ids[i] in one C call: the first feeds feeds[i],
-    each later one the pick of the pass before (the argmax where temperatures[i] is 0, else a draw
-    over the widths[i] largest logits at that temperature with DRAFT stream keys[i]), each pick from
+    each later one the pick of the pass before (the argmax where widths[i] is 0, else a draw over
+    the widths[i] largest logits at temperatures[i] with DRAFT stream keys[i]), each pick from
     the logits of the sequence's last token: the bits that as many kernel_forward passes and picks
     give. -> (each sequence's picks, ids [S, steps, n], q [S, steps, n] of the sampled ones: a
     pass's top tokens and their q), or None, the cache as it was, where a pass would go past the

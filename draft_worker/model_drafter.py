@@ -74,9 +74,9 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
     u = uniforms([params[i].seed for i in rows], [len(contexts[i]) for i in rows], DRAFT, logits.device,
                  None if ranks is None else [ranks[i] for i in rows])
     most = min(max_q_entries or logits.shape[-1], logits.shape[-1])
-    widths = [min(most, params[i].top_k or most) for i in rows]  # each row's own q size
+    widths = [q_width(params[i], most) for i in rows]
     every_row = len(rows) == len(params)
-    if not needs_presence and all(params[i].top_p == 1.0 for i in rows):
+    if all(map(reads_top_logits_only, params)):
         temperatures = [params[i].temperature for i in rows]
         picks, ids, q = (_drawn_in_c(logits, temperatures, rows, widths, u, kernels)
                          or _drawn_from_top_logits(logits, temperatures, rows, widths, u))
@@ -96,6 +96,17 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         tokens[rows] = picks
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
     return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}
+
+
+def q_width(params: SamplingParams, most: int) -> int:
+    """A sampled row's own q size: its top-k, at most `most` (the vocabulary, or max_q_entries)."""
+    return min(most, params.top_k or most)
+
+
+def reads_top_logits_only(params: SamplingParams) -> bool:
+    """Whether a row's pick reads only the raw logits' top entries (the argmax, or temperature and
+    top-k): no repetition penalty, and no top-p for a sampled row. The C kernels make such picks."""
+    return params.repetition_penalty == 1.0 and (params.greedy or params.top_p == 1.0)
 
 
 def _drawn_from_top_logits(logits: torch.Tensor, temperatures: list[float], rows: list[int], widths: list[int],
@@ -195,12 +206,11 @@ class ModelDrafter(Drafter):
         C kernels make as choose_tokens would (the argmax, or temperature and top-k alone)."""
         ids = [r for r in wanted if wanted[r] > step]
         params = [self._seqs[r].params for r in ids]
-        if not all(p.argmax_only or (not p.greedy and p.repetition_penalty == 1.0 and p.top_p == 1.0)
-                   for p in params):
+        if not all(map(reads_top_logits_only, params)):
             return False
         most = min(self.max_q_entries or self.runner.vocab_size, self.runner.vocab_size)
         # (width 0: the argmax; a temperature too small for float32 still draws, as choose_tokens does)
-        widths = [0 if p.greedy else min(most, p.top_k or most) for p in params]
+        widths = [0 if p.greedy else q_width(p, most) for p in params]
         chain = self.runner.draft_chain(ids, [feed[r] for r in ids], [wanted[r] - step for r in ids],
                                         [p.temperature for p in params],
                                         [0 if p.greedy else stream_key(p.seed, DRAFT) for p in params], widths)

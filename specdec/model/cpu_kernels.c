@@ -1202,18 +1202,14 @@ static int project(const float *x, int64_t m, int64_t k, const Projection *p, fl
     return matmul_quantized(x, m, k, p->bits, p->weights, p->scales, p->mins, p->n, p->bias, y);
 }
 
-/* Every layer of a pass over `tokens` new tokens, then the final norm: x [T, hidden] (the
-   embeddings; the residual stream, updated in place) -> h [T, hidden] = final_norm(x). Scratch:
-   qkv [T, (H + 2 Hkv) D], attn [T, H D], out [T, hidden], gate_up [T, 2 inter], act [T, inter].
-   Caches k_cache, v_cache [layers][rows][Hkv][D], layer_stride elements apart, float16 where
-   `f16`. Other arguments as rope_store_kv and attend take them. Returns 0, or -1 when scratch
-   memory ran out. */
-int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final_norm, float *x, float *h,
-                   float *qkv, float *attn, float *out, float *gate_up, float *act, int64_t tokens,
-                   int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps,
-                   float scale, const int64_t *positions, const float *cos, const float *sin,
-                   const int64_t *slots, const int64_t *token_seqs, const int64_t *kv_slots, int64_t max_len,
-                   void *k_cache, void *v_cache, int64_t layer_stride, int f16) {
+/* decoder_layers with its scratch given: qkv [T, (H + 2 Hkv) D], attn [T, H D], out [T, hidden],
+   gate_up [T, 2 inter], act [T, inter]. */
+static int layers_in(const DecoderLayer *layers, int64_t count, const float *final_norm, float *x, float *h,
+                     float *qkv, float *attn, float *out, float *gate_up, float *act, int64_t tokens,
+                     int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, float eps,
+                     float scale, const int64_t *positions, const float *cos, const float *sin,
+                     const int64_t *slots, const int64_t *token_seqs, const int64_t *kv_slots, int64_t max_len,
+                     void *k_cache, void *v_cache, int64_t layer_stride, int f16) {
     const float *delta = 0;
     for (int64_t i = 0; i < count; i++) {
         const DecoderLayer *l = layers + i;
@@ -1235,6 +1231,31 @@ int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final
     }
     add_rms_norm(x, delta, final_norm, h, tokens, hidden, eps);
     return 0;
+}
+
+/* Every layer of a pass over `tokens` new tokens, then the final norm: x [T, hidden] (the
+   embeddings; the residual stream, updated in place) -> h [T, hidden] = final_norm(x). Caches
+   k_cache, v_cache [layers][rows][Hkv][D], layer_stride elements apart, float16 where `f16`.
+   Other arguments as rope_store_kv and attend take them. The layers' scratch (q/k/v, attention, a
+   block's output, gate/up, SiLU * up) is one allocation made here, each part starting on a cache
+   line of its own. Returns 0, or -1 when scratch memory ran out. */
+int decoder_layers(const DecoderLayer *layers, int64_t count, const float *final_norm, float *x, float *h,
+                   int64_t tokens, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter,
+                   float eps, float scale, const int64_t *positions, const float *cos, const float *sin,
+                   const int64_t *slots, const int64_t *token_seqs, const int64_t *kv_slots, int64_t max_len,
+                   void *k_cache, void *v_cache, int64_t layer_stride, int f16) {
+    const int64_t widths[5] = {(heads + 2 * kv_heads) * dim, heads * dim, hidden, 2 * inter, inter};
+    int64_t sizes[5], total = 0; /* in floats, each a whole number of 64-byte lines */
+    for (int p = 0; p < 5; p++) total += sizes[p] = (tokens * widths[p] + 15) / 16 * 16;
+    float *part[5];
+    part[0] = aligned_alloc(64, (size_t)total * sizeof(float));
+    if (!part[0] && total) return -1;
+    for (int p = 1; p < 5; p++) part[p] = part[p - 1] + sizes[p - 1];
+    const int status = layers_in(layers, count, final_norm, x, h, part[0], part[1], part[2], part[3], part[4],
+                                 tokens, hidden, heads, kv_heads, dim, inter, eps, scale, positions, cos, sin, slots,
+                                 token_seqs, kv_slots, max_len, k_cache, v_cache, layer_stride, f16);
+    free(part[0]);
+    return status;
 }
 
 /* --- a draft's chain in one call ------------------------------------------------------------------
@@ -1279,18 +1300,13 @@ int draft_chain(const DecoderLayer *layers, int64_t count, const float *final_no
                 void *v_cache, int64_t layer_stride, int f16) {
     int64_t most = seqs; /* the most tokens a pass feeds */
     for (int64_t i = 0, fed = 0; i < seqs; i++) most = (fed += feed_len[i]) > most ? fed : most;
-    const int64_t widths_of[5] = {(heads + 2 * kv_heads) * dim, heads * dim, hidden, 2 * inter, inter};
-    int64_t sizes[5], total = 0;
-    for (int p = 0; p < 5; p++) total += sizes[p] = (most * widths_of[p] + 15) / 16 * 16;
-    float *x = malloc((size_t)(2 * most * hidden + total + seqs * hidden + seqs * vocab) * sizeof(float));
+    float *x = malloc((size_t)(2 * most * hidden + seqs * hidden + seqs * vocab) * sizeof(float));
     int64_t *index = malloc((size_t)(4 * most + 4 * seqs) * sizeof(int64_t));
     if (!x || !index) {
         free(x), free(index);
         return -1;
     }
-    float *h = x + most * hidden, *part[5], *last = h + most * hidden + total, *logits = last + seqs * hidden;
-    part[0] = h + most * hidden;
-    for (int p = 1; p < 5; p++) part[p] = part[p - 1] + sizes[p - 1];
+    float *h = x + most * hidden, *last = h + most * hidden, *logits = last + seqs * hidden;
     int64_t *tokens = index, *positions = index + most, *slot = index + 2 * most, *row_seq = index + 3 * most;
     int64_t *last_row = index + 4 * most, *picked_by = last_row + seqs, *feed_at = picked_by + seqs;
     int64_t *slot_at = feed_at + seqs;
@@ -1315,9 +1331,9 @@ int draft_chain(const DecoderLayer *layers, int64_t count, const float *final_no
             for (int64_t t = 0; t < fed; t++) memcpy(x + t * hidden, rows + tokens[t] * hidden, hidden * sizeof(float));
         else
             quantized_columns(codes->weights, codes->scales, codes->mins, codes->bits, hidden, tokens, fed, x);
-        if (decoder_layers(layers, count, final_norm, x, h, part[0], part[1], part[2], part[3], part[4], fed, hidden,
-                           heads, kv_heads, dim, inter, eps, scale, positions, cos, sin, slot, row_seq, kv_slots,
-                           max_len, k_cache, v_cache, layer_stride, f16)) {
+        if (decoder_layers(layers, count, final_norm, x, h, fed, hidden, heads, kv_heads, dim, inter, eps, scale,
+                           positions, cos, sin, slot, row_seq, kv_slots, max_len, k_cache, v_cache, layer_stride,
+                           f16)) {
             status = -1;
             break;
         }

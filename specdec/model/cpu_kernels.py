@@ -57,8 +57,8 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "quant_dot_simd": ([], _I),
     "matmul_quantized": ([_P, _I, _I, _I, _P, _P, _P, _I, _P, _P], ctypes.c_int),
     "quantized_columns": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
-    "decoder_layers": ([_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P,
-                        _P, _I, _P, _P, _I, _B], ctypes.c_int),
+    "decoder_layers": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I,
+                        _B], ctypes.c_int),
     "draft_chain": ([_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I,
                      _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I, _B], ctypes.c_int),
 }
@@ -84,7 +84,6 @@ def _ptr(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> int:
     return t.data_ptr()
 
 
-_LINE_FLOATS = 16  # floats in a 64-byte cache line: where each part of a shared scratch starts
 _CACHE_DTYPES = (torch.float32, torch.float16)  # what the C attention reads (float16: half the bytes)
 
 
@@ -178,28 +177,24 @@ class CpuKernels:
         """Every layer of `table` over x [T, hidden] (the embeddings, updated in place); returns
         final_norm [hidden](x) [T, hidden]. inter: the MLP's width; k_cache, v_cache [layers,
         blocks, block size, Hkv, D] (float32 or float16); the rest as rope_store_kv and attend
-        take them. The layers' scratch (q/k/v, attention, a block's output, gate/up, SiLU * up) is
-        one allocation made here, each part starting on a cache line of its own."""
+        take them. The layers' scratch is cpu_kernels.c's own."""
         tokens, hidden = x.shape
         dim = k_cache.shape[-1]
-        widths = ((heads + 2 * kv_heads) * dim, heads * dim, hidden, 2 * inter, inter)
         _expect(tuple(final_norm.shape) == (hidden,) and k_cache.dim() == 5 and k_cache.shape == v_cache.shape
                 and k_cache.shape[0] == len(table) and k_cache.shape[3:] == (kv_heads, dim)
                 and cos.shape[1] == dim and sin.shape == cos.shape and tuple(positions.shape) == (tokens,)
                 and tuple(slots.shape) == (tokens,) and tuple(token_seqs.shape) == (tokens,)
                 and kv_slots.dim() == 2 and heads % kv_heads == 0
-                and all((p.qkv.n, p.o_proj.n, p.gate_up.n, p.down.n) == (widths[0], hidden, 2 * inter, hidden)
+                and all((p.qkv.n, p.o_proj.n, p.gate_up.n, p.down.n)
+                        == ((heads + 2 * kv_heads) * dim, hidden, 2 * inter, hidden)
                         for p in table[:1]),  # (the table's layers are alike: `layer_table`)
                 lambda: f"decoder_layers: x {tuple(x.shape)}, {heads}/{kv_heads} heads, cache "
                 f"{tuple(k_cache.shape)}, positions {tuple(positions.shape)}, slots {tuple(slots.shape)}, "
                 f"token_seqs {tuple(token_seqs.shape)}, kv_slots {tuple(kv_slots.shape)}")
-        sizes = [-(-tokens * width // _LINE_FLOATS) * _LINE_FLOATS for width in widths]
-        h, scratch = torch.empty_like(x), x.new_empty(sum(sizes))
-        base = _ptr(scratch)
-        parts = [base + 4 * start for start in itertools.accumulate(sizes[:-1], initial=0)]
+        h = torch.empty_like(x)
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
         status = self._lib.decoder_layers(
-            table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), *parts, tokens, hidden, heads, kv_heads, dim,
+            table, len(table), _ptr(final_norm), _ptr(x), _ptr(h), tokens, hidden, heads, kv_heads, dim,
             inter, eps, scale, _ptr(positions, torch.int64), _ptr(cos), _ptr(sin), _ptr(slots, torch.int64),
             _ptr(token_seqs, torch.int64), _ptr(kv_slots, torch.int64), kv_slots.shape[1], k_data, v_data,
             k_cache.stride(0), f16)

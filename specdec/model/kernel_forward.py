@@ -55,9 +55,8 @@ def kernel_draft_chain(model, cache: PagedKVCache, seq_ids: list[str], feeds: li
     try:
         slots = [slot for seq_id, fed, n in zip(seq_ids, feeds, steps_of)
                  for slot in cache.append_slots(seq_id, len(fed) + n - 1)]
-        size, tables = cache.block_size, [cache.block_table(s) for s in seq_ids]
-        blocks = max(map(len, tables))  # (each request's row of slots as long as the longest's)
-        kv_slots = [b * size + o for table in tables for b in table + [0] * (blocks - len(table)) for o in range(size)]
+        size = cache.block_size  # (each request's row of slots as long as the longest's)
+        kv_slots = [b * size + o for table in cache.padded_block_tables(seq_ids) for b in table for o in range(size)]
         chain = model.kernels.draft_chain(
             model.layer_table, w.final_norm, w.lm_head.panels, w.embed, feeds, steps_of, lengths, slots, kv_slots,
             temperatures, keys, widths, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,

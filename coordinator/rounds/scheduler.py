@@ -367,6 +367,8 @@ class Scheduler:
                 heads[req_id] = ready.take(ready.asked)  # the rest is drafted after its tokens
                 assumed, k = heads[req_id].tokens, k - ready.asked
                 report.predraft_kept += len(assumed)
+            if k == 0:  # (its tokens wait in unsent_to_draft: the backlog its first draft call pays, priced)
+                continue
             tasks.append(DraftTask(req_id=req_id, new_tokens=run.unsent_to_draft, num_speculative_tokens=k,
                                    params=run.request.params, assumed_tokens=assumed,
                                    branches=1 if assumed else self.config.tree_branches,

@@ -286,9 +286,10 @@ class _ScriptedK:
         self.script, self.reports, self.backlogs = list(script), [], []
 
     def choose(self, requests) -> list[int]:
+        """A round's K: one for all, or a list (one per request, in the order they came)."""
         self.backlogs.append([r.backlog for r in requests])
         k = self.script.pop(0) if self.script else 0
-        return [min(k, r.cap) for r in requests]
+        return [min(k if isinstance(k, int) else k[i], r.cap) for i, r in enumerate(requests)]
 
     def settled(self, req_ids) -> bool:
         return False  # (every round follows the script)
@@ -315,4 +316,30 @@ def test_a_request_back_from_k_zero_reports_the_backlog_its_draft_call_fed(targe
     assert policy.backlogs[0] == [1] and policy.backlogs[5] == [drafted[1].draft_catch_up]
     ran = [r for r in policy.reports if r.ran]
     assert ran[0].target_prefill == 4 and all(r.target_prefill == 0 for r in ran[1:])
+    _assert_caches_empty(engine)
+
+
+def test_a_request_at_k_zero_beside_one_drafting_keeps_its_backlog_for_its_own_first_draft(target_dir):
+    """A draft call made for one request takes nothing of a request at K = 0 beside it: the drafter
+    would only store those tokens and feed them at that request's next draft call, which would then
+    pay a catch-up that neither the policy (pricing its K) nor the round report had counted."""
+    engine = _engine(target_dir, draft="self", num_speculative_tokens=2)
+    policy = engine.scheduler.policy = _ScriptedK([[2, 0], [2, 0], [0, 2]])
+    fed = []  # per draft call: req_id -> (tokens fed, K)
+    propose = engine.scheduler.draft.propose
+
+    def spy(tasks, releases):
+        fed.append({t.req_id: (len(t.new_tokens), t.num_speculative_tokens) for t in tasks})
+        return propose(tasks, releases)
+
+    engine.scheduler.draft.propose = spy
+    prompts = [[5, 17, 42, 8], [9, 4, 33, 21, 7, 12]]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2)
+    first, second = (u.req_id for u in policy.reports[0].updates)  # (in the order they came)
+    assert [set(call) for call in fed[:2]] == [{first}, {first}]
+    third = [r for r in policy.reports if r.ran][2]
+    committed = sum(len(u.token_ids) for r in policy.reports[:2] for u in r.updates if u.req_id == second)
+    assert fed[2][second] == (len(prompts[1]) + committed, 2)  # its prompt and every token since
+    assert policy.backlogs[2][1] == third.draft_catch_up == len(prompts[1]) + committed - 3  # (K + 1 = 3)
+    assert [len(o.token_ids) for o in outs] == [12, 12]
     _assert_caches_empty(engine)

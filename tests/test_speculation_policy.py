@@ -85,8 +85,8 @@ def each_token_accepted(rate: float, seed: int = 0):
     return accepts
 
 
-def greedy(req_id: str, cap: int = 5, backlog: int = 0) -> PolicyRequest:
-    return PolicyRequest(req_id, cap, greedy=True, seeded=False, backlog=backlog)
+def greedy(req_id: str, cap: int = 5, backlog: int = 0, remaining: int = 1) -> PolicyRequest:
+    return PolicyRequest(req_id, cap, greedy=True, seeded=False, backlog=backlog, remaining=remaining)
 
 
 def new_policy(reference_draft_cost: float = 0.1, branches: int = 1) -> SpeculationPolicy:
@@ -319,6 +319,26 @@ def test_rounds_without_a_draft_call_age_the_draft_fit_as_any_round_does(monkeyp
     monkeypatch.setattr(round_costs_module.FadingLeastSquares, "fade_out",
                         lambda self: setattr(self, "rounds", self.rounds * self.fade))
     assert drafting_after_a_slow_start(20, STEP, follow_ups=False) < 0.05
+
+
+def test_a_catch_up_is_paid_by_all_the_tokens_it_serves_not_by_one_round():
+    """A new request's drafter first catches up on its prompt (100 tokens: 5 target steps here),
+    once for every token the request may still commit. Drafting that pays (each token accepted 0.9
+    of the time) starts in its first round with 1000 tokens to go, and not with 4, where the
+    catch-up costs more than drafting saves. Charged whole to the round (remaining 1: the control,
+    the rule before) it starts with neither: a target-sized draft never drafted, a new request of
+    a small one waited for a probe to pay it."""
+    def first_k(remaining: int) -> int:
+        policy, machine = new_policy(), Machine(token=0.05 * STEP)
+        for k, catch_up in [(k, c) for k in range(6) for c in (0, 100)] * 5:  # (the costs, measured)
+            shape = RoundShape(k + 1, 0, k, k, catch_up)
+            policy.costs.observe(shape, machine.verify(shape), machine.draft(shape), 0.0, prefill=False)
+        for _ in range(100):  # (the kind's acceptance, from an earlier request)
+            run_round(policy, machine, [greedy("old")], each_token_accepted(0.9))
+        return policy.choose([greedy("new", backlog=100, remaining=remaining)])[0]
+
+    assert first_k(1000) == 5 and first_k(4) == 0
+    assert first_k(1) == 0
 
 
 def test_unseeded_requests_at_k_0_probe_one_at_a_time_taking_turns_the_cheapest_first():

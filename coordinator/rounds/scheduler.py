@@ -236,7 +236,8 @@ class Scheduler:
         if self.policy is None:
             return {run.request.req_id: cap for run, cap in zip(runs, caps)}
         asks = [PolicyRequest(run.request.req_id, cap, run.request.params.greedy, seeded=seeded(run),
-                              backlog=run.draft_backlog) for run, cap in zip(runs, caps)]
+                              backlog=run.draft_backlog, remaining=max(run.remaining_tokens, 1))
+                for run, cap in zip(runs, caps)]
         return dict(zip((a.req_id for a in asks), self.policy.choose(asks)))
 
     def _run_round(self, report: RoundReport) -> None:

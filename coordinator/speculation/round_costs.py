@@ -9,12 +9,11 @@ Terms, per round (RoundReport):
 - the coordinator's own time is the rest of the round.
 
 Model: verify seconds = v0 + v1 T + v2 P; draft seconds = d0 + d1 S + d2 D + d3 C (0 when not
-called); overhead seconds = o. A pass streams the weights once (v0) and computes per token (v1):
-on a 2-core CPU v1 is 5-20% of v0 at batch 1 and 8 alike, on a GPU far less. Each is a
-least-squares fit over past rounds in which a round's weight fades by 1 - 1 / COST_MEMORY per
-later round, so the costs follow the machine (load, context growth) within tens of rounds; a
-round is counted at most twice what the fit predicted for it (on a shared CPU one round in fifty
-stalls for 10-100x its time: unclipped, such spikes set the fit's slopes).
+called); overhead seconds = o. Each is a least-squares fit over past rounds in which a round's
+weight fades by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load,
+context growth) within tens of rounds; a round is counted at most twice what the fit predicted
+for it (on a shared CPU one round in fifty stalls for 10-100x its time: unclipped, such spikes
+set the fit's slopes).
 Terms that the rounds seen so far cannot tell apart (every round alike) are pulled towards 0 but
 one per fit, which takes their cost: the pass's (v0) and the draft step's (d1). That is the
 optimistic guess: more verified tokens look free and a shorter K cheaper, so the policy tries them
@@ -56,8 +55,7 @@ class FadingLeastSquares:
         self.scales, self.free = scales, free
         size = len(scales)
         self.fade = 1.0 - 1.0 / COST_MEMORY
-        self.gram = [[0.0] * size for _ in range(size)]
-        self.moment = [0.0] * size
+        self.gram, self.moment = [[0.0] * size for _ in range(size)], [0.0] * size
         self.rounds = 0.0  # the faded count of rounds seen
         self._theta, self._per_unit = [0.0] * size, [0.0] * size
         self._fitted = False  # _theta comes from rounds (not the zeros it starts as)
@@ -66,8 +64,7 @@ class FadingLeastSquares:
         # The run of rounds with the same features not yet in gram and moment: their features
         # (unscaled, scaled), count, faded weight and faded sum of seconds, and the most a round
         # counts for (twice the last solve's prediction: spikes, the module docstring).
-        self._run: tuple = ()
-        self._run_x: list[float] = []
+        self._run, self._run_x = (), []
         self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
         self._run_cap = float("inf")
 

@@ -12,7 +12,8 @@ The model:
   way to the prior). The prior is the pool: the same rates over all requests of one kind (greedy
   or sampled), fading by DECAY per w tokens, from INITIAL_ACCEPTANCE and coverage 1. w is the
   kind's (coverage's: PRIOR_WEIGHT): of PRIOR_WEIGHT * 2^j, the one best predicting recent tokens.
-- A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes).
+- A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes). A
+  drafter's catch-up serves every token its request may still commit: a round pays its share.
 - The choice maximises committed tokens per second over the batch: draft tokens are added in
   decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
   round where no token could pay even at each rate's ceiling (a bound, else the choice) settles the
@@ -80,6 +81,7 @@ class PolicyRequest(NamedTuple):
     greedy: bool
     seeded: bool  # a seeded sampled request: K from its own history only
     backlog: int = 0  # committed tokens the drafter has not seen beyond one round's worth
+    remaining: int = 1  # tokens it may still commit (1: a catch-up is charged whole to one round)
 
 
 def _rate(hits: float, trials: float, prior: float, weight: float) -> float:
@@ -267,7 +269,7 @@ class SpeculationPolicy:
         plain = v0 + v1 * batch + overhead
         order = sorted(((e.worth(k), i) for i, (r, e) in enumerate(zip(free, estimates))
                         for k in range(1, r.cap + 1)), key=lambda pair: -pair[0])
-        ks, tokens = [0] * len(free), float(batch)
+        ks, tokens, charged = [0] * len(free), float(batch), [0.0] * len(free)
         verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
         best_rate, best = tokens / max(plain, 1e-9), list(ks)
         for worth, i in order:
@@ -275,7 +277,8 @@ class SpeculationPolicy:
             verify += estimates[i].coverage * v1 * self._nodes(ks[i])
             if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
                 verify, steps = verify + v2 * batch * (2 if steps == 0 else 1) * sampled, ks[i]
-            draft_tokens += d2 * self._nodes(ks[i]) + (d3 * free[i].backlog if ks[i] == 1 else 0.0)
+            share = d3 * free[i].backlog * min(1.0, (1.0 + estimates[i].worth_up_to(ks[i])) / free[i].remaining)
+            draft_tokens, charged[i] = draft_tokens + d2 * self._nodes(ks[i]) + share - charged[i], share
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, list(ks)
@@ -294,7 +297,7 @@ class SpeculationPolicy:
             top, least_coverage, most = max(top, e.worth(1)), min(least_coverage, e.coverage), most + r.cap
             worths += e.worth_up_to(r.cap)
         least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
-        call = d0 + d1 + d3 * min(r.backlog for r in free) + 2 * v2 * batch * sampled  # (backlogs grow at K = 0)
+        call = d0 + d1 + d3 * min(r.backlog / r.remaining for r in free) + 2 * v2 * batch * sampled  # (least share)
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + call + m * least)
                    for m in (1, most, max(1.0, worths / max(top, 1e-9))))
 

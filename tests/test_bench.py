@@ -303,6 +303,7 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
     assert written["draft_weights"] == "fp"
     rows = written["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(1, "greedy")] * 2
+    assert len({r["pair"] for r in rows}) == 2  # (two pairs of one target: told apart by their drafts)
     for r in rows:
         assert set(r["fixed"]) == {"1", "2"} and r["best"] in ("plain", "K=1", "K=2")
         assert r["vs_best"] == pytest.approx(r["adaptive"] / r["best_rate"])
@@ -311,3 +312,26 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
     assert main(["bench-policy", "--repeats", "0"]) == 2
     assert main(["bench-policy", "--draft-weights", "q3"]) == 2
     assert "draft.weights must be one of auto, fp, q8, q4" in capsys.readouterr().err
+
+
+def test_bench_policy_times_take_turns_and_a_slow_spell_on_one_run_does_not_count():
+    """Each system runs each prompt group in turn with the others, after a different one each time,
+    and a group counts its median time: a slow spell of the machine during one run (here 3x) leaves
+    the rates as they were; pooled seconds (the sum) would have read it as 0.75x."""
+    from types import SimpleNamespace
+
+    from specdec_app.bench.policy_command import time_in_turns
+
+    order, slow = [], {("b", 1, 0)}  # (label, repeat, group) of the run in a slow spell
+    seconds = {"a": 1.0, "b": 2.0, "c": 4.0}  # per group of 10 tokens
+
+    def run(label, group):
+        repeat = order.count((label, group))
+        order.append((label, group))
+        return SimpleNamespace(tokens=10, seconds=seconds[label] * (3 if (label, repeat, group) in slow else 1))
+
+    rates, results = time_in_turns(["a", "b", "c"], [0, 1], 3, run)
+    assert rates == pytest.approx({"a": 10.0, "b": 5.0, "c": 2.5})
+    assert [len(r) for r in results.values()] == [6, 6, 6]
+    turns = [[label for label, group in order[i:i + 3]] for i in range(0, len(order), 3)]
+    assert turns[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]

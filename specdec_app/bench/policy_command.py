@@ -9,9 +9,11 @@ draft (accepts almost everything, costs a target step per draft step), the n-gra
 any pair given with --pair (e.g. one trained with scripts/train_pair.py under another seed, which
 the policy was not tuned on). Noisy drafts are built once and cached (--cache-dir).
 
-A second plain run ("plain again", the A/A column) is timed like every other system: its ratio to
-the first is the row's measurement noise, which a shared machine makes large in short runs
-(--repeats times the mirrored pair of orders narrows it).
+Each system runs each prompt group (the row's batch) --repeats times, the systems taking turns in
+an order rotated every time, and a group counts its median time: a shared machine has slow spells
+(tenths of a second at 1.5-3x) that would otherwise land on whichever system ran then. A second
+plain run ("plain again", the A/A column) is timed like every other system: its ratio to the first
+is the row's remaining measurement noise.
 
   specdec bench-policy                                  # every pair, batch 1 and 8, greedy and T=0.8
   specdec bench-policy --pair /work/pair2/target:/work/pair2/draft --json policy.json
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,8 +35,8 @@ from safetensors.torch import load_file, save_file
 from specdec.config import NGRAM, SHIPPED_DRAFT, SHIPPED_TARGET, ServiceConfig
 from specdec.tokenizer import load_tokenizer
 from specdec_app.bench.engine_runner import EngineSystem, kv_blocks_for
-from specdec_app.bench.prompts import load_prompts
-from specdec_app.bench.results import Mode
+from specdec_app.bench.prompts import chunks, load_prompts
+from specdec_app.bench.results import Mode, pool_runs
 from specdec_app.flags import add_settings, given_settings
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "bench-models"
@@ -50,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL prompts (default: the shipped code prompts)")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per row (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="times each row runs its systems in both orders (default 1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="times each system runs each prompt group, in turn with the others; "
+                             "a group's median time counts (default 3)")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated (default 1,8)")
     parser.add_argument("--temperatures", default="0,0.8", help="comma-separated; 0 = greedy (default 0,0.8)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="K_max (default 5)")
@@ -94,7 +98,10 @@ def pairs(args) -> list[tuple[str, str, str]]:
         given_target, _, given_draft = spec.rpartition(":")
         if not given_target:
             raise ValueError(f"--pair {spec!r}: expected TARGET:DRAFT")
-        family.append((f"{Path(given_target).parent.name or given_target}", given_target, given_draft))
+        name = Path(given_target).parent.name or given_target
+        if name in (taken[0] for taken in family):  # (pairs sharing a target's folder: by their drafts)
+            name += f"+{Path(given_draft).name}"
+        family.append((name, given_target, given_draft))
     return family
 
 
@@ -111,21 +118,19 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
     rows = []
     for mode in modes:
         for batch in batches:
-            # (label, system, K): "plain again" is the A/A control, never a candidate for best
-            runs = [("plain", "plain", None), ("plain again", "plain", None), ("adaptive", "adaptive", None)] + [
-                (f"K={kk}", "fixed", kk) for kk in range(1, k + 1)]
-            measured = {}
-            for _ in range(args.repeats):
-                for order in (runs, runs[::-1]):  # mirrored: a machine drifting in speed weighs all alike
-                    for label, system, kk in order:
-                        systems[system].warm_up(prompts, batch, mode, 0, k=kk)
-                        result = systems[system].run(prompts, batch, mode, args.max_new_tokens, 0, k=kk)
-                        tokens, seconds = measured.get(label, (0, 0.0))
-                        measured[label] = (tokens + result.tokens, seconds + result.seconds)
-                        if system == "adaptive":
-                            adaptive_result = result
-            rate = {label: tokens / seconds for label, (tokens, seconds) in measured.items()}
+            # label -> (system, K): "plain again" is the A/A control, never a candidate for best
+            runs = {"plain": ("plain", None), "plain again": ("plain", None), "adaptive": ("adaptive", None),
+                    **{f"K={kk}": ("fixed", kk) for kk in range(1, k + 1)}}
+            for system, kk in runs.values():
+                systems[system].warm_up(prompts, batch, mode, 0, k=kk)
+
+            def run_one(label, group, batch=batch, mode=mode, runs=runs):
+                system, kk = runs[label]
+                return systems[system].run(group, batch, mode, args.max_new_tokens, 0, k=kk)
+
+            rate, results = time_in_turns(list(runs), list(chunks(prompts, batch)), args.repeats, run_one)
             best = max((label for label in rate if label not in ("adaptive", "plain again")), key=rate.get)
+            adaptive_result = pool_runs(results["adaptive"])
             row = {"pair": name, "batch": batch, "mode": mode.name, "plain": rate["plain"],
                    "plain_again": rate["plain again"], "adaptive": rate["adaptive"],
                    "fixed": {str(kk): rate[f"K={kk}"] for kk in range(1, k + 1)},
@@ -138,6 +143,24 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
                 f"alpha {_fmt(row['alpha'])}, mean K {_fmt(row['mean_k'])}")
             rows.append(row)
     return rows
+
+
+def time_in_turns(labels: list[str], groups: list, repeats: int, run) -> tuple[dict, dict]:
+    """Tokens/s of each label's system, and its results: each runs each group `repeats` times, the
+    labels taking turns in an order rotated every time (each after a different one), and a group
+    counts its median seconds: a slow spell of the machine (tenths of a second at 1.5-3x) lands on
+    one label's group in one repeat, not on all of them. run(label, group) -> RunResult."""
+    seconds = {label: [[] for _ in groups] for label in labels}  # label -> group -> each repeat's
+    tokens, results = dict.fromkeys(labels, 0), {label: [] for label in labels}
+    for repeat in range(repeats):
+        for g, group in enumerate(groups):
+            turn = (repeat * len(groups) + g) % len(labels)
+            for label in labels[turn:] + labels[:turn]:
+                result = run(label, group)
+                seconds[label][g].append(result.seconds)
+                tokens[label] += result.tokens if repeat == 0 else 0
+                results[label].append(result)
+    return {label: tokens[label] / sum(map(statistics.median, seconds[label])) for label in labels}, results
 
 
 def _fmt(value) -> str:
@@ -187,7 +210,7 @@ def run(args) -> int:
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     log(f"specdec bench-policy: {len(family)} pairs, batch sizes {batches}, {[m.name for m in modes]}, "
-        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens x {args.repeats} x 2 orders, "
+        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens x {args.repeats} repeats, "
         f"K_max {args.num_speculative_tokens}, "
         f"draft weights {args.draft_weights}; load average {load}")
     start, rows = time.perf_counter(), []

@@ -6,13 +6,16 @@ The root's children: for a sampled request, drawn from q without replacement (di
 each sent with the distribution it was drawn from, so the target's walk tests it against exactly
 that; for a greedy one, the top `branches` tokens (greedy acceptance compares tokens, so any
 children are fine). From then on each branch's leaf is fed in one pass with the others, attending
-to its own path only (model.batch.TreeNodes), and picks the branch's next token. The nodes fed stay in the draft's cache
-after the round (DraftedTree); the next round keeps the path the target accepted, moved into place.
+to its own path only (model.batch.TreeNodes), and picks the branch's next token; where the other
+branches are leaves, the first grows as a chain (add_chain). The nodes fed stay in the draft's
+cache after the round (DraftedTree); the next round keeps the path the target accepted, moved into
+place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.model.batch import TreeNodes
@@ -30,20 +33,29 @@ def distinct_children(first: int, q: QRow, count: int, seed: int | None, positio
     residual after each rejection) is then Sequoia's for sampling without replacement, exact because
     each child, given the ones before, is distributed as its q. Fewer children where q has fewer
     tokens. An i.i.d. second draw repeats the first child as often as q favours it, and a repeat of
-    a rejected token is always rejected: distinct children are what a tree's width is for."""
+    a rejected token is always rejected: distinct children are what a tree's width is for. In
+    numpy on the host: between the draft's passes torch's small ops ran cold, ~0.4 ms a tree."""
     ids, probs = q
     tokens, rows = [first], [q]
+    host_ids, left = (ids.cpu().numpy(), probs.cpu().numpy()) if count > 1 else (None, None)
     for rank in range(1, count):
-        taken = torch.isin(ids, torch.tensor(tokens, device=ids.device))
-        left = probs.masked_fill(taken, 0.0)
-        total = float(left.sum())
+        left = np.where(host_ids == tokens[-1], np.float32(0.0), left)  # (the earlier children: 0 already)
+        total = left.sum()
         if total <= 0.0:
             break
-        left = left / total
-        pick = int(sample_from_probs(left[None], uniforms([seed], [position], DRAFT, ids.device, [rank]))[0])
-        tokens.append(int(ids[pick]))
-        rows.append((ids, left))
+        left = torch.from_numpy(left / total)
+        pick = int(sample_from_probs(left[None], uniforms([seed], [position], DRAFT, None, [rank]))[0])
+        tokens.append(int(host_ids[pick]))
+        rows.append((ids, left.to(probs.device)))
+        left = left.numpy()
     return tokens, rows
+
+
+def greedy_children(first: int, top: list[int], count: int) -> tuple[list[int], list[None]]:
+    """A greedy request's `count` children of one node: `first` (its argmax: the chain's token),
+    then the other `top` tokens (largest first); greedy acceptance compares tokens, no q."""
+    children = [first, *(token for token in top if token != first)][:count]
+    return children, [None] * len(children)
 
 
 @dataclass
@@ -85,6 +97,19 @@ class TreeGrowth:
         self.tokens = [[token] for token in tokens]
         self.q_rows = [[q] if q is not None else [] for q in q_rows]
         self.paths = [[] for _ in tokens]
+
+    def grows_as_chain(self) -> bool:
+        """Whether only the first branch grows past the root's children (the others are leaves):
+        its nodes are then fed as a chain on the prefix, in one call (ModelRunner.draft_chain)."""
+        return all(depth <= 1 for depth in self.depths[1:])
+
+    def add_chain(self, picks: list[int], q_rows: list[QRow]) -> None:
+        """The first branch grown as a chain right after add_root: its first token, then each pick
+        but the last, fed after the prefix; the picks continue the branch."""
+        fed = [self.tokens[0][-1], *picks[:-1]] if picks else []
+        self.cached = DraftedTree(fed, list(range(-1, len(fed) - 1)))
+        self.tokens[0] += picks
+        self.q_rows[0] += q_rows
 
     def leaves(self, cache_length: int) -> tuple[list[int], TreeNodes | None]:
         """Feed the last token of each branch still growing (the k-th at cache_length + k): (the

@@ -6,7 +6,9 @@ a pre-draft, the assumed tokens and the guesses after them, or after a tree, its
 the longest prefix that still agrees with the context, drops the rest, and feeds the remainder in
 the first of its k batched steps. A task with branches > 1 is drafted as a tree (draft_tree).
 Where the model runs in the C kernels and every pick is one they make (argmax, or temperature and
-top-k), the k steps are one call (ModelRunner.draft_chain): the same bits, no Python in between.
+top-k), the k steps are one call (ModelRunner.draft_chain): the same bits, no Python in between;
+a tree whose other branches are leaves too (its first branch is a chain; the root's other
+children come from the first pass's top tokens or q).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_worker.draft_tree import DraftedTree, TreeGrowth, distinct_children
+from draft_worker.draft_tree import DraftedTree, TreeGrowth, distinct_children, greedy_children
 from draft_worker.drafter import Drafter
 from specdec.kv_cache import PagedKVCache
 from specdec.model.cpu_kernels import row_argmax
@@ -199,29 +201,42 @@ class ModelDrafter(Drafter):
             return task.branches
         return 1
 
-    def _chain_in_c(self, step: int, wanted: dict[str, int], feed: dict[str, list[int]],
+    def _chain_in_c(self, step: int, wanted: dict[str, int], feed: dict[str, list[int]], trees: dict[str, TreeGrowth],
                     drafted: dict[str, list[int]], q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> bool:
         """The round's chains from `step` on in one call (ModelRunner.draft_chain: the same tokens
         and q as the steps below, without Python between the passes), where every pick is one the
-        C kernels make as choose_tokens would (the argmax, or temperature and top-k alone)."""
+        C kernels make as choose_tokens would (the argmax, or temperature and top-k alone). A tree
+        whose other branches are leaves is its first branch, a chain, and the root's other children
+        (from the first pass's top tokens or q)."""
         ids = [r for r in wanted if wanted[r] > step]
         params = [self._seqs[r].params for r in ids]
         if not all(map(reads_top_logits_only, params)):
             return False
         most = min(self.max_q_entries or self.runner.vocab_size, self.runner.vocab_size)
-        # (width 0: the argmax; a temperature too small for float32 still draws, as choose_tokens does)
-        widths = [0 if p.greedy else q_width(p, most) for p in params]
-        chain = self.runner.draft_chain(ids, [feed[r] for r in ids], [wanted[r] - step for r in ids],
-                                        [p.temperature for p in params],
+        # (width 0: the argmax, -b: and the top b; a temperature too small for float32 still draws)
+        widths = [(-trees[r].branches if r in trees and step == 0 else 0) if p.greedy else q_width(p, most)
+                  for r, p in zip(ids, params)]
+        feeds = [[trees[r].tokens[0][-1]] if r in trees and step > 0 else feed[r] for r in ids]
+        chain = self.runner.draft_chain(ids, feeds, [wanted[r] - step for r in ids], [p.temperature for p in params],
                                         [0 if p.greedy else stream_key(p.seed, DRAFT) for p in params], widths)
         if chain is None:
             return False
         picks, top_ids, top_q = chain
         for i, (req_id, p, width) in enumerate(zip(ids, params, widths)):
-            self._seqs[req_id].fed += [*feed[req_id], *picks[i][:-1]]  # (the last pick is not fed)
-            drafted[req_id] += picks[i]
-            if not p.greedy:
-                q_rows[req_id] += [(top_ids[i, s, :width], top_q[i, s, :width]) for s in range(len(picks[i]))]
+            rows = [] if p.greedy else [(top_ids[i, s, :width], top_q[i, s, :width]) for s in range(len(picks[i]))]
+            tree, seq = trees.get(req_id), self._seqs[req_id]
+            if tree is None:
+                seq.fed += [*feed[req_id], *picks[i][:-1]]  # (the last pick is not fed)
+                drafted[req_id] += picks[i]
+                q_rows[req_id] += rows
+                continue
+            if step == 0:  # (the first pick is the first child, fed as the chain's)
+                seq.fed += feed[req_id]
+                first, top = picks[i][0], top_ids[i, 0, :tree.branches].tolist()
+                tree.add_root(*(greedy_children(first, top, tree.branches) if p.greedy  # (fed: the context)
+                                else distinct_children(first, rows[0], tree.branches, p.seed, len(seq.fed))))
+                picks[i], rows = picks[i][1:], rows[1:]
+            tree.add_chain(picks[i], rows)
         return True
 
     def propose(self, tasks: list[DraftTask]) -> list[DraftProposal]:
@@ -235,7 +250,8 @@ class ModelDrafter(Drafter):
         q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t.req_id: [] for t in tasks}
         for step in range(max(wanted.values(), default=0)):
             # In one C call from the first pass, or from the second after a catch-up too long for one
-            if step <= 1 and not trees and self._chain_in_c(step, wanted, feed, drafted, q_rows):
+            in_c = step <= 1 and all(tree.grows_as_chain() for tree in trees.values())
+            if in_c and self._chain_in_c(step, wanted, feed, trees, drafted, q_rows):
                 break
             ids = [r for r in wanted if wanted[r] > step]
             seqs = [self._seqs[r] for r in ids]
@@ -250,7 +266,9 @@ class ModelDrafter(Drafter):
             for req_id, seq, rows_of in zip(ids, seqs, logits):
                 tree = trees.get(req_id)
                 if tree is not None and step == 0 and seq.params.greedy:  # the root's children: its top tokens
-                    tree.add_root(torch.topk(rows_of[0], tree.branches).indices.tolist(), [None] * tree.branches)
+                    first = int(row_argmax(rows_of[:1], self.runner.model.kernels)[0])
+                    top = torch.topk(rows_of[0], tree.branches).indices.tolist()
+                    tree.add_root(*greedy_children(first, top, tree.branches))
                 elif tree is None or step == 0:  # a chain's token, or a sampled tree's first child
                     rows.append(rows_of)
                     row_params.append(seq.params)

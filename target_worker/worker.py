@@ -33,7 +33,7 @@ from specdec.sampling import (
     speculative_verify,
     uniforms,
 )
-from specdec.sampling.tree import is_chain, node_paths
+from specdec.sampling.tree import is_chain, leading_chain, node_paths
 from target_worker.proposal_check import proposal_problems
 from target_worker.sampled_chains import drawn_in_c, verdicts_in_c
 from target_worker.tree_acceptance import accept_tree
@@ -164,9 +164,10 @@ class TargetWorker:
         cached = [self.cache.length(r) for r in ids]
         feeds = [s.tokens[c:] + t.draft_tokens for s, c, t in zip(seqs, cached, tasks)]
         num_proposed = [len(t.draft_tokens) for t in tasks]
-        # A tree's nodes sit in the cache from the first draft token's index on: len(seq.tokens).
-        trees = [TreeNodes(len(s.tokens), node_paths(t.parents, len(s.tokens))) if _is_tree(t) else None
-                 for s, t in zip(seqs, tasks)]
+        # A tree's nodes sit in the cache from the first draft token's index on: len(seq.tokens). Its
+        # leading chain is fed as causal tokens: only the other nodes take attention rows of their own.
+        trees = [TreeNodes(len(s.tokens), node_paths(t.parents, len(s.tokens))[leading_chain(t.parents):])
+                 if _is_tree(t) else None for s, t in zip(seqs, tasks)]
         logits = self.runner.run(ids, feeds, [k + 1 for k in num_proposed], trees if any(trees) else None)
         chains = [i for i, tree in enumerate(trees) if tree is None]
         paths: list[list[int]] = [[] for _ in tasks]
@@ -179,7 +180,7 @@ class TargetWorker:
         for i, tree in enumerate(trees):
             if tree is not None:
                 paths[i], next_tokens[i] = accept_tree(tasks[i], seqs[i].tokens, seqs[i].seed, logits[i],
-                                                       self.runner.vocab_size)
+                                                       self.runner.vocab_size, self.runner.model.kernels)
         outcomes = []
         for task, seq, path, nxt in zip(tasks, seqs, paths, next_tokens):
             committed = [task.draft_tokens[n] for n in path] + [nxt]

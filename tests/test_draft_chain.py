@@ -74,6 +74,41 @@ def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafter
         drafter.runner.chunk_tokens = chunk
 
 
+def test_a_tree_whose_other_branches_are_leaves_grows_its_first_branch_in_c(drafters):
+    """Trees of 2 and 3 branches, the others leaves (side depth 1), greedy and sampled, beside
+    chains, round after round with part of each tree's first branch or a leaf committed: every
+    proposal (tokens, parents, q) equal to the stepping drafter's, the first branches from one C
+    call after the root's children; a tree whose branches all grow (side depth 0) stays in steps."""
+    in_c, stepping = drafters
+    chains, draft_chain = [], in_c.runner.draft_chain
+    in_c.runner.draft_chain = lambda *args: chains.append(draft_chain(*args)) or chains[-1]
+    rng = random.Random(1)
+    vocab = in_c.runner.vocab_size
+    committed = {f"t{i}": [rng.randrange(vocab) for _ in range(4 + 3 * i)] for i in range(4)}
+    sent = {req_id: 0 for req_id in committed}
+    shapes = [(2, 1), (3, 1), (1, 0), (3, 1)]  # (branches, side depth) of each request
+    for round_ in range(5):
+        side_depth = 0 if round_ == 4 else None  # (the last round: every tree's branches grow)
+        tasks = []
+        for (req_id, tokens), params, (branches, side) in zip(committed.items(), PARAMS, shapes):
+            tasks.append(DraftTask(req_id, tokens[sent[req_id]:], 1 + rng.randrange(4), params, branches=branches,
+                                   side_depth=side if side_depth is None else side_depth))
+            sent[req_id] = len(tokens)
+        calls = len(chains)
+        expected = [(p.tokens, p.parents, None if p.q is None else (p.q.token_ids.tolist(), p.q.probs.tolist()))
+                    for p in stepping.propose(tasks)]
+        got = [(p.tokens, p.parents, None if p.q is None else (p.q.token_ids.tolist(), p.q.probs.tolist()))
+               for p in in_c.propose(tasks)]
+        assert got == expected
+        assert (len(chains) > calls) == (side_depth is None)
+        for tokens, (drafted, parents, _) in zip(committed.values(), expected):
+            leaf = [drafted[-1]] if parents and parents[-1] == -1 and rng.random() < 0.5 else []
+            tokens += (leaf or drafted[:rng.randrange(len(drafted) + 1)] if parents else drafted[:1])
+            tokens.append(rng.randrange(vocab))
+    assert all(chain is not None for chain in chains) and len(chains) >= 4
+    del in_c.runner.draft_chain
+
+
 def test_a_chain_that_cannot_run_in_c_is_stepped_in_python_or_refused(drafters):
     """A top-p request (a pick the C kernels do not make) keeps the whole round in Python steps;
     a chain that gives up in C (a NaN in a sampled row's logits) or is refused (a token past the

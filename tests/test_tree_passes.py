@@ -11,7 +11,7 @@ from specdec.config import WorkerConfig
 from specdec.model.batch import TreeNodes
 from specdec.model.decoder import load_model
 from specdec.model.runner import ModelRunner
-from specdec.sampling.tree import node_paths
+from specdec.sampling.tree import leading_chain, node_paths
 from tests.checkpoints import CONFIGS, build_checkpoint
 
 PROMPT = [5, 17, 42, 8, 3, 77, 21]
@@ -52,6 +52,20 @@ def test_each_node_sees_its_path_only_in_one_pass(runner_factory):
     runner.cache.add_sequence("s")
     start = len(PROMPT)
     logits = runner.run(["s"], [PROMPT + TOKENS], [1 + len(TOKENS)], [TreeNodes(start, node_paths(PARENTS, start))])[0]
+    assert_same(logits[0], chain_logits(runner, PROMPT))
+    for node in range(len(TOKENS)):
+        assert_same(logits[1 + node], chain_logits(runner, PROMPT + chain_of(node)))
+
+
+def test_a_trees_leading_chain_fed_as_causal_tokens_gives_the_same_logits(runner_factory):
+    """The target worker's pass: a(0) -> c(1) lead the tree as a chain, fed as the sequence's own
+    tokens; d(2), b(3) and e(4) take rows of their own (their paths may pass through a or c)."""
+    runner = runner_factory()
+    runner.cache.add_sequence("s")
+    start, lead = len(PROMPT), leading_chain(PARENTS)
+    assert lead == 2
+    logits = runner.run(["s"], [PROMPT + TOKENS], [1 + len(TOKENS)],
+                        [TreeNodes(start, node_paths(PARENTS, start)[lead:])])[0]
     assert_same(logits[0], chain_logits(runner, PROMPT))
     for node in range(len(TOKENS)):
         assert_same(logits[1 + node], chain_logits(runner, PROMPT + chain_of(node)))

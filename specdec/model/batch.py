@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from specdec.kv_cache import PagedKVCache
@@ -129,14 +130,13 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     tables = cache.padded_block_tables(seq_ids)
     parts = [input_ids, positions, slots, token_rows, token_seqs, logits_indices, seq_lens,
              [0, *accumulate(query_lens)], [i for row in token_index for i in row],
-             [p for row in query_positions for p in row], [b for row in tables for b in row],
-             [seq for _, seq in rows]]
+             [p for row in query_positions for p in row], [b for row in tables for b in row]]
     # Every index of the pass crosses to the device in one copy (on a GPU each copy is a
     # blocking transfer of its own), then splits into views.
     # (array -> frombuffer: half the time of torch.tensor(list); split_with_sizes skips split's checks)
     host = torch.frombuffer(array("q", [v for part in parts for v in part]), dtype=torch.int64)
     (input_ids_t, positions_t, slots_t, token_rows_t, token_seqs_t, logits_indices_t, seq_lens_t, query_start_t,
-     token_index_t, query_positions_t, tables_t, row_seqs_t) = host.to(device).split_with_sizes(list(map(len, parts)))
+     token_index_t, query_positions_t, tables_t) = host.to(device).split_with_sizes(list(map(len, parts)))
     block_tables = tables_t.view(len(seq_ids), len(tables[0]))
     context_len = max(seq_lens)
     kv_start = None
@@ -146,7 +146,7 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
             kv_start = table[0] * block_size
     tree_kv_slots = None
     if node_keys:
-        tree_kv_slots = _tree_kv_slots(block_tables, block_size, context_len, row_seqs_t, node_keys)
+        tree_kv_slots = _tree_kv_slots(tables, block_size, context_len, [seq for _, seq in rows], node_keys, device)
     return ForwardBatch(
         input_ids=input_ids_t,
         positions=positions_t,
@@ -169,12 +169,15 @@ def prepare_forward(cache: PagedKVCache, seq_ids: list[str], new_tokens: list[li
     )
 
 
-def _tree_kv_slots(block_tables: torch.Tensor, block_size: int, length: int, row_seqs: torch.Tensor,
-                   node_keys: list[tuple[int, int, int]]) -> torch.Tensor:
+def _tree_kv_slots(tables: list[list[int]], block_size: int, length: int, row_seqs: list[int],
+                   node_keys: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
     """[R, length] key slots of every attention row: its sequence's causal row, where a tree node's
-    row then holds its path's slots from the tree's start on (node_keys: (row, key, slot))."""
-    rows = sequence_kv_slots(block_tables, block_size, length).index_select(0, row_seqs)
-    places = torch.tensor(node_keys, dtype=torch.long)  # host: copied once below
-    at_rows, at_keys, slots = places.to(block_tables.device).unbind(1)
+    row then holds its path's slots from the tree's start on (node_keys: (row, key, slot)). Made in
+    numpy on the host, then one copy: a tree pass's Python runs cold between the passes, where each
+    of torch's dozen small ops cost several times its warm ~3 us."""
+    table = np.asarray(tables, dtype=np.int64)  # [B, n]
+    causal = (table[:, :, None] * block_size + np.arange(block_size)).reshape(len(tables), -1)[:, :length]
+    rows = causal[row_seqs]  # (a copy)
+    at_rows, at_keys, slots = np.asarray(node_keys, dtype=np.int64).T
     rows[at_rows, at_keys] = slots
-    return rows
+    return torch.from_numpy(rows).to(device)

@@ -664,6 +664,67 @@ int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t voca
     return a;
 }
 
+/* The target's verdict on one sampled request's token tree (specdec.sampling.tree's walk, for
+   temperature-only sampling): logits [1 + nodes, vocab], row 0 the root's (the last committed
+   token), row 1 + i node i's; tokens, parents [nodes] in depth-first order (-1: the root); node i
+   drawn from q_i (q_ids, q_probs [nodes, q_width]). At a node r = p, its softmax as in
+   verify_sampled_chain; its children are tried in order, child c accepted while
+   u_accept[c] < r(c) / q_c(c) (no division), after a rejection r = norm(max(0, r - q_c)) (r itself
+   where that has no mass); an accepted child becomes the node; where none is, the next token is
+   drawn from r with u_next[depth] by inverse CDF. Writes the accepted nodes into path and
+   *next_token; returns their count, or -1 where a row the walk reads holds a NaN. scratch
+   [2 x vocab]: r, then the entries a rejection overwrote. */
+int64_t verify_sampled_tree(const float *logits, int64_t nodes, int64_t vocab, float temperature, const int64_t *tokens,
+                            const int64_t *parents, const int64_t *q_ids, const float *q_probs, int64_t q_width,
+                            const double *u_accept, const double *u_next, float *scratch, int64_t *path,
+                            int64_t *next_token) {
+    const float t = clamped_temperature(temperature);
+    float *saved = scratch + vocab;
+    for (int64_t node = -1, depth = 0;;) {
+        const float *x = logits + (node + 1) * vocab;
+        float top = 0.0f, total = 0.0f;
+        if (!softmax_scale(x, vocab, t, &top, &total)) return -1;
+        int dense = 0; /* r in scratch (after a rejection), else p itself, an entry at a time */
+        int64_t accepted = -1;
+        for (int64_t c = node + 1; c < nodes && accepted < 0; c++) {
+            if (parents[c] != node) continue;
+            const int64_t *ids = q_ids + c * q_width;
+            const float *probs = q_probs + c * q_width;
+            const float r = dense ? scratch[tokens[c]] : softmax_at(x[tokens[c]], t, top, total);
+            float q = 0.0f;
+            for (int64_t e = 0; e < q_width; e++) q += ids[e] == tokens[c] ? probs[e] : 0.0f;
+            if (r > 0.0f && (r >= q || u_accept[c] * q < r)) {
+                accepted = c;
+                break;
+            }
+            if (!dense)
+                for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
+            dense = 1;
+            for (int64_t e = 0; e < q_width; e++) /* q's entries outside the vocabulary are 0 */
+                if (ids[e] >= 0 && ids[e] < vocab) saved[e] = scratch[ids[e]], scratch[ids[e]] -= probs[e];
+            double mass = 0.0;
+            for (int64_t e = 0; e < q_width; e++)
+                if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] = scratch[ids[e]] > 0.0f ? scratch[ids[e]] : 0.0f;
+            for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
+            if (mass > 0.0)
+                for (int64_t j = 0; j < vocab; j++) scratch[j] = (float)(scratch[j] / mass);
+            else /* r == q to rounding: a rejection had probability ~0; r is right (last first: repeats) */
+                for (int64_t e = q_width - 1; e >= 0; e--)
+                    if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] = saved[e];
+        }
+        if (accepted >= 0) {
+            path[depth++] = node = accepted;
+            continue;
+        }
+        if (!dense)
+            for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
+        double mass = 0.0;
+        for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
+        *next_token = drawn_index(scratch, vocab, u_next[depth], mass);
+        return depth;
+    }
+}
+
 /* --- projections ------------------------------------------------------------------------------
 
 A weight [K, N] is stored as column panels of PANEL floats, [ceil(N / PANEL)][K][PANEL] (zeros
@@ -1284,7 +1345,7 @@ static inline double stream_uniform(uint64_t key, int64_t position) {
    pass s > 0 its pick of pass s - 1, at positions from first_position[i] on, into its cache
    slots (`slots`: feed_len[i] + steps_of[i] - 1 a request, one request's after another's); each
    pass picks picks[i][s] from the logits of the request's last token: the argmax where widths[i]
-   is 0, else the draw of sample_top at temperatures[i] over widths[i] tokens with the uniform of
+   is 0 or less (below 0: the ids of the first pass's -widths[i] largest logits into ids), else the draw of sample_top at temperatures[i] over widths[i] tokens with the uniform of
    stream keys[i] at the picked token's position, its ids and q into ids, q
    [seqs][steps][width]. kv_slots [seqs][max_len]: each request's cache slots by position. The
    embedding: rows [vocab][hidden] floats, or (rows NULL) the columns of `codes` (the LM head's,
@@ -1345,8 +1406,12 @@ int draft_chain(const DecoderLayer *layers, int64_t count, const float *final_no
         }
         for (int64_t a = 0; a < active && !status; a++) {
             const int64_t i = picked_by[a], at = i * steps + s;
-            if (widths[i] == 0) {
+            if (widths[i] <= 0) {
                 argmax_rows(logits + a * vocab, 1, vocab, picks + at);
+                /* (a greedy tree's root: the first pass's -widths[i] largest logits' ids too) */
+                if (widths[i] < 0 && s == 0
+                    && sample_top(logits + a * vocab, vocab, -widths[i], 1.0f, 0.0, ids + at * width, q + at * width) < 0)
+                    status = -2;
                 continue;
             }
             const int64_t drawn = sample_top(logits + a * vocab, vocab, widths[i], temperatures[i],

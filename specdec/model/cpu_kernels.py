@@ -51,6 +51,7 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "argmax_rows": ([_P, _I, _I, _P], None),
     "sample_top": ([_P, _I, _I, _F, ctypes.c_double, _P, _P], _I),
     "verify_sampled_chain": ([_P, _I, _I, _F, _P, _P, _P, _I, _P, _P, _P, _P], _I),
+    "verify_sampled_tree": ([_P, _I, _I, _F, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P], _I),
     "panel_width": ([], _I),
     "matmul": ([_P, _I, _I, _P, _I, _P, _P], None),
     "quant_group": ([], _I),
@@ -213,8 +214,9 @@ class CpuKernels:
         steps_of[i] passes from position first_position[i], the first feeding feeds[i]; slots: the
         cache slots of what it feeds (feeds[i], then its picks but the last), one request's after
         another's; kv_slots: each request's slots by position, S rows of equal length, flat;
-        widths[i] (its q's size; 0: the argmax), temperatures[i] and keys[i] (its DRAFT stream key)
-        choose its picks. Lists in, since each tensor checked between passes costs microseconds:
+        widths[i] (its q's size; 0: the argmax; -b: the argmax, and the first pass's b largest
+        logits' ids in ids[i, 0, :b], a greedy tree's root children), temperatures[i] and keys[i]
+        (its DRAFT stream key) choose its picks. Lists in, since each tensor checked between passes costs microseconds:
         -> (each request's picks, ids [S, steps, n], q [S, steps, n]: a sampled pick's top tokens
         and their q), or None where a sampled row's logits held a NaN (the passes' K/V then in the
         cache)."""
@@ -223,7 +225,7 @@ class CpuKernels:
         span = len(kv_slots) // max(seqs, 1)
         _expect(seqs > 0 and len(steps_of) == len(first_position) == len(temperatures) == len(keys) == len(widths)
                 == seqs and min(steps_of) > 0 and min(map(len, feeds)) > 0 and 0 <= min(feed) and max(feed) < vocab
-                and 0 <= min(widths) and max(widths) <= vocab and len(slots) == len(feed) + sum(steps_of) - seqs
+                and max(map(abs, widths)) <= vocab and len(slots) == len(feed) + sum(steps_of) - seqs
                 and len(kv_slots) == span * seqs and lm_head.in_features == hidden
                 and all(0 <= p and p + len(fed) + n - 1 <= span
                         for p, fed, n in zip(first_position, feeds, steps_of))
@@ -235,8 +237,9 @@ class CpuKernels:
         host = torch.frombuffer(array("q", [*kv_slots, *slots, *first_position, *steps_of, *widths, *keys,
                                             *map(len, feeds), *feed, *[0] * (seqs * steps)]), dtype=torch.int64)
         picks = host[len(host) - seqs * steps:]
-        ids = torch.empty(seqs, steps, max(widths), dtype=torch.int64)  # (past a row's width: unread)
-        q = torch.empty(seqs, steps, max(widths))
+        width = max(map(abs, widths))
+        ids = torch.empty(seqs, steps, width, dtype=torch.int64)  # (past a row's width: unread)
+        q = torch.empty(seqs, steps, width)
         head = _projection(lm_head)
         codes = _projection(embed) if isinstance(embed, QuantizedPanelWeight) else None
         k_data, v_data, f16 = _cache_pointers(k_cache, v_cache)
@@ -359,6 +362,36 @@ class CpuKernels:
             accept_at + 8 * b * (width - 1), target_at + 8 * b * width, scratch_at, out_at + 8 * b)
             for b, (x, t, d, i, p) in enumerate(zip(logits, temperatures, drafts, q_ids, q_probs))]
         return [None if a < 0 else (a, n) for a, n in zip(accepted, out.tolist())]
+
+    def verify_sampled_tree(self, logits: torch.Tensor, temperature: float, tokens: list[int], parents: list[int],
+                            q_ids: torch.Tensor, q_probs: torch.Tensor, u_accept: torch.Tensor, u_next: torch.Tensor
+                            ) -> tuple[list[int], int] | None:
+        """(accepted nodes from the root down, next token) of one temperature-only request's tree
+        (specdec.sampling.tree.tree_verify's walk): logits [1 + N, V], tokens and parents [N]
+        (depth-first), q of each node q_ids / q_probs [N, n], uniforms u_accept [N] and u_next
+        [depth + 1] (float64); None where the walk reads a NaN."""
+        nodes, vocab = len(tokens), logits.shape[-1]
+        depths: list[int] = []
+        for i, parent in enumerate(parents):
+            depths.append(1 if parent < 0 else depths[parent] + 1 if 0 <= parent < i else nodes + 1)
+        deepest = max(depths, default=0)
+        _expect(logits.dim() == 2 and logits.shape[0] == nodes + 1 and len(parents) == nodes
+                and all(0 <= t < vocab for t in tokens) and deepest <= nodes and q_ids.dim() == 2
+                and q_ids.shape[0] == nodes and q_ids.shape[1] <= vocab and q_probs.shape == q_ids.shape
+                and tuple(u_accept.shape) == (nodes,) and u_next.dim() == 1 and u_next.shape[0] > deepest,
+                lambda: f"verify_sampled_tree: logits {tuple(logits.shape)}, tokens {tokens}, parents {parents}, "
+                        f"q {tuple(q_ids.shape)}, u {tuple(u_accept.shape)} / {tuple(u_next.shape)}")
+        ints = torch.tensor([*tokens, *parents, *[0] * (nodes + 1)], dtype=torch.int64)  # tokens, parents, path, next
+        scratch = torch.empty(2 * vocab)
+        at = _ptr(ints, torch.int64)
+        depth = self._lib.verify_sampled_tree(
+            _ptr(logits), nodes, vocab, temperature, at, at + 8 * nodes, _ptr(q_ids, torch.int64), _ptr(q_probs),
+            q_ids.shape[1], _ptr(u_accept, torch.float64), _ptr(u_next, torch.float64), _ptr(scratch),
+            at + 16 * nodes, at + 24 * nodes)
+        if depth < 0:
+            return None
+        out = ints[2 * nodes:].tolist()
+        return out[:depth], out[-1]
 
 
 def row_argmax(x: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:

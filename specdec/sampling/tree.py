@@ -40,28 +40,38 @@ def tree_verify(
 ) -> tuple[list[int], int]:
     """-> (accepted nodes from the root down, next token). Greedy reads only the argmax of each
     row, so p may then be the logits themselves."""
+    if greedy:
+        return greedy_tree_walk([int(p_root.argmax()), *p.argmax(dim=-1).tolist()], tokens, parents)
     path: list[int] = []
     node = -1
     while True:
         r = p_root if node < 0 else p[node]
-        r = r if greedy else r.double()
         children = [i for i, parent in enumerate(parents) if parent == node]
-        child, r = _try_children(r, q, children, tokens, greedy, u_accept)
+        child, r = _try_children(r.double(), q, children, tokens, u_accept)
         if child is None:  # r: the node's p (no children, the bonus) or the last residual
             break
         path.append(child)
         node = child
-    if greedy:
-        return path, int(r.argmax())
     return path, int(sample_from_probs(r[None], u_next[len(path)][None])[0])
 
 
-def _try_children(r: torch.Tensor, q: torch.Tensor | None, children: list[int], tokens: list[int], greedy: bool,
-                  u_accept: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+def greedy_tree_walk(argmax: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """The greedy walk on the target's argmax after the root (argmax[0]) and after each node
+    (argmax[1 + i]): follow the child that is the argmax while there is one; the argmax then."""
+    path: list[int] = []
+    node = -1
+    while True:
+        best = argmax[node + 1]
+        child = next((c for c in range(node + 1, len(parents)) if parents[c] == node and tokens[c] == best), None)
+        if child is None:
+            return path, best
+        path.append(child)
+        node = child
+
+
+def _try_children(r: torch.Tensor, q: torch.Tensor, children: list[int], tokens: list[int], u_accept: torch.Tensor
+                  ) -> tuple[int | None, torch.Tensor]:
     """(the accepted child or None, the distribution the next token is then drawn from)."""
-    if greedy:
-        best = int(r.argmax())
-        return next((c for c in children if tokens[c] == best), None), r
     for child in children:
         token, proposal = tokens[child], q[child].double()
         # u < min(1, r/q) without a division, as in the chain's rule.
@@ -90,9 +100,15 @@ def tree_size(depth: int, branches: int, side_depth: int) -> int:
     return depth + (branches - 1) * side_branch_depth(depth, side_depth)
 
 
+def leading_chain(parents: list[int]) -> int:
+    """How many of the first nodes form a chain from the root (each follows the one before it):
+    fed after the prefix they see exactly what causal tokens see."""
+    return next((i for i, parent in enumerate(parents) if parent != i - 1), len(parents))
+
+
 def is_chain(parents: list[int]) -> bool:
     """Whether the tree `parents` describes is a chain (each node follows the one before it)."""
-    return all(parent == i - 1 for i, parent in enumerate(parents))
+    return leading_chain(parents) == len(parents)
 
 
 def depths_and_ranks(parents: list[int]) -> tuple[list[int], list[int]]:

@@ -594,6 +594,29 @@ def test_sampled_rounds_at_k_0_settle_where_the_accept_test_is_what_keeps_drafti
     assert control_ks == ks and control_asked <= 12 and control_choices >= asked  # (measured: 9, 18)
 
 
+@pytest.mark.parametrize("branches", [1, 3])
+def test_the_bound_that_spares_the_choice_never_hides_a_k_that_pays(branches):
+    """The bound that spares the full choice where nothing pays is a bound: over random batches,
+    rates, backlogs, costs and tree shapes, where it says nothing pays, the full choice drafts
+    nothing either."""
+    rng = random.Random(branches)
+    policy = SpeculationPolicy(RoundCosts(max_fed=64, max_steps=8), 0.1, branches, side_depth=rng.choice([0, 1]))
+    policy.costs.observe(RoundShape(2, 0, 1, 1, 0), STEP, 0.1 * STEP, 0.0, prefill=False)
+    bound_said = 0
+    for _ in range(3000):
+        free = [PolicyRequest(f"r{i}", rng.randint(1, 8), True, False, rng.choice([0, rng.randint(1, 300)]),
+                              rng.randint(1, 500)) for i in range(rng.randint(1, 8))]
+        estimates = [policy_module.Estimate(rng.random() * 0.999, rng.random(), rng.random()) for _ in free]
+        # (v0, the pass's constant, takes the cost of what the rounds cannot tell apart: never 0)
+        costs = (STEP * 10 ** rng.uniform(-1, 1),
+                 *(rng.choice([0.0, STEP * 10 ** rng.uniform(-3, 1)]) for _ in range(7)))
+        batch, sampled = len(free) + rng.randint(0, 3), rng.random() < 0.5
+        if policy._cannot_pay(free, estimates, batch, costs, sampled):
+            bound_said += 1
+            assert not any(policy._merit(free, estimates, batch, costs, sampled).values())
+    assert bound_said > 300
+
+
 def test_a_lookup_that_finds_nothing_is_not_a_rejection():
     """A drafter that finds something to propose in one round of three (an n-gram lookup early in
     a response), always right when it does, keeps being asked where asking costs a lookup; counted

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from specdec.model.batch import TreeNodes
-from specdec.sampling import DRAFT, sample_from_probs, uniforms
+from specdec.sampling import DRAFT, sample_from_probs, stream_key, uniforms
 from specdec.sampling.tree import chains_parents, side_branch_depth
 
 QRow = tuple[torch.Tensor, torch.Tensor]  # a sparse distribution: ids [n], probs [n]
 
 
-def distinct_children(first: int, q: QRow, count: int, seed: int | None, position: int) -> tuple[list[int], list[QRow]]:
+def distinct_children(first: int, q: QRow, count: int, seed: int | None, position: int, kernels=None
+                      ) -> tuple[list[int], list[QRow]]:
     """Up to `count` distinct children of one node, drawn from q without replacement: `first` (drawn
     from q itself with the rank-0 uniform: the chain's token), then child j from q with the earlier
     children removed and renormalised, with the rank-j DRAFT uniform at `position`. Each comes with
@@ -33,22 +34,31 @@ def distinct_children(first: int, q: QRow, count: int, seed: int | None, positio
     residual after each rejection) is then Sequoia's for sampling without replacement, exact because
     each child, given the ones before, is distributed as its q. Fewer children where q has fewer
     tokens. An i.i.d. second draw repeats the first child as often as q favours it, and a repeat of
-    a rejected token is always rejected: distinct children are what a tree's width is for. In
-    numpy on the host: between the draft's passes torch's small ops ran cold, ~0.4 ms a tree."""
+    a rejected token is always rejected: distinct children are what a tree's width is for.
+
+    In the model's C kernels (`kernels`) for a float32 q on the CPU, else in numpy, the same bits:
+    the float64 total summed in order, each entry divided in float64, then float32 (between the
+    draft's passes torch's small ops ran cold, ~0.4 ms a tree, numpy's ~0.3)."""
     ids, probs = q
-    tokens, rows = [first], [q]
-    host_ids, left = (ids.cpu().numpy(), probs.cpu().numpy()) if count > 1 else (None, None)
+    if count < 2:
+        return [first], [q]
+    if kernels is not None and ids.device.type == "cpu" and probs.dtype == torch.float32:
+        keys = [stream_key(seed, DRAFT, rank) for rank in range(count)]
+        tokens, rows = kernels.distinct_children(ids.contiguous(), probs.contiguous(), first, count, keys, position)
+        return tokens, [q, *((ids, row) for row in rows[1:len(tokens)])]
+    tokens, found = [first], [q]
+    host_ids, left = ids.cpu().numpy(), probs.cpu().numpy()
     for rank in range(1, count):
         left = np.where(host_ids == tokens[-1], np.float32(0.0), left)  # (the earlier children: 0 already)
-        total = left.sum()
-        if total <= 0.0:
+        total = np.add.accumulate(left, dtype=np.float64)[-1]
+        if not total > 0.0:
             break
-        left = torch.from_numpy(left / total)
-        pick = int(sample_from_probs(left[None], uniforms([seed], [position], DRAFT, None, [rank]))[0])
+        left = (left.astype(np.float64) / total).astype(np.float32)
+        u = uniforms([seed], [position], DRAFT, None, [rank])
+        pick = int(sample_from_probs(torch.from_numpy(left)[None], u)[0])
         tokens.append(int(host_ids[pick]))
-        rows.append((ids, left.to(probs.device)))
-        left = left.numpy()
-    return tokens, rows
+        found.append((ids, torch.from_numpy(left).to(probs.device)))
+    return tokens, found
 
 
 def greedy_children(first: int, top: list[int], count: int) -> tuple[list[int], list[None]]:

@@ -234,7 +234,8 @@ class ModelDrafter(Drafter):
                 seq.fed += feed[req_id]
                 first, top = picks[i][0], top_ids[i, 0, :tree.branches].tolist()
                 tree.add_root(*(greedy_children(first, top, tree.branches) if p.greedy  # (fed: the context)
-                                else distinct_children(first, rows[0], tree.branches, p.seed, len(seq.fed))))
+                                else distinct_children(first, rows[0], tree.branches, p.seed, len(seq.fed),
+                                                       self.runner.model.kernels)))
                 picks[i], rows = picks[i][1:], rows[1:]
             tree.add_chain(picks[i], rows)
         return True
@@ -296,7 +297,7 @@ class ModelDrafter(Drafter):
                     row += 1
                 elif step == 0 and not seq.params.greedy:
                     tree.add_root(*distinct_children(tokens[row], q[row], tree.branches, seq.params.seed,
-                                                     len(context[req_id])))
+                                                     len(context[req_id]), self.runner.model.kernels))
                     row += 1
                 elif step > 0:
                     chosen = range(row, row + len(tree.growing))

@@ -2,12 +2,14 @@
 accepted path and next token as specdec.sampling.tree.tree_verify, whose chi-square suites and
 negative controls pin the rule down, on walks that accept a first child, accept a later one after
 rejections, reject every child and reach a leaf; accept_tree takes that path for temperature-only
-requests alone; a NaN and malformed trees are refused."""
+requests alone; a NaN and malformed trees are refused. The draft's other children of a node are
+drawn in C as in numpy, bit for bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from draft_worker.draft_tree import distinct_children
 from specdec.model.cpu_kernels import KernelArgumentError, load_cpu_kernels
 from specdec.params import SamplingParams
 from specdec.round_types import SparseDist, VerifyTask
@@ -98,3 +100,23 @@ def test_tree_verify_and_the_c_walk_agree_on_a_chain():
     expected = tree_verify(p[0], p[1:], task.q.to_dense(100), task.draft_tokens, task.parents, False, u_accept, u_next)
     assert kernels.verify_sampled_tree(target, 1.0, task.draft_tokens, task.parents, task.q.token_ids,
                                        task.q.probs, u_accept, u_next) == expected
+
+
+@pytest.mark.parametrize("count", [2, 3, 6])
+def test_distinct_children_drawn_in_c_are_numpys_bit_for_bit(count):
+    """The draft's other children of a node (draft_tree.distinct_children): in C and in numpy the
+    same tokens and the same distributions, bit for bit, on peaked and flat q rows of 1-256 tokens
+    (a row with fewer tokens than children gives fewer); each child distinct, drawn from its row."""
+    gen = torch.Generator().manual_seed(count)
+    for trial in range(200):
+        width = [256, 64, 3, 1][trial % 4]
+        ids = torch.randperm(4096, generator=gen)[:width]
+        q = torch.softmax(torch.randn(width, generator=gen) * [0.5, 4.0][trial % 2], dim=0)
+        first = int(ids[torch.multinomial(q, 1, generator=gen)])
+        in_c = distinct_children(first, (ids, q), count, trial, 50 + trial, kernels)
+        in_numpy = distinct_children(first, (ids, q), count, trial, 50 + trial, None)
+        assert in_c[0] == in_numpy[0] and len(in_c[0]) == min(count, width) == len(set(in_c[0]))
+        for (c_ids, c_q), (n_ids, n_q) in zip(in_c[1], in_numpy[1]):
+            assert torch.equal(c_ids, n_ids) and torch.equal(c_q, n_q)
+        for token, (_, row) in zip(in_c[0][1:], in_c[1][1:]):
+            assert float(row[ids == token]) > 0.0 and torch.all(row[torch.isin(ids, torch.tensor(in_c[0][:1]))] == 0)

@@ -1340,6 +1340,35 @@ static inline double stream_uniform(uint64_t key, int64_t position) {
     return (double)(mix64(key + ((uint64_t)position + 1) * 0x9E3779B97F4A7C15ULL) >> 11) * 0x1p-53;
 }
 
+/* A sampled tree's children of one node after its first (draft_worker.draft_tree's
+   distinct_children): the first, `first`, was drawn from q [width] over ids [width]; child j = 1 ..
+   count - 1 is drawn from q less the children before it, renormalised ((float)(q_e / total), the
+   float64 total summed in order), with the uniform of stream keys[j] at `position`, by inverse CDF
+   (drawn_index, as sample_from_probs draws). Writes the children's ids (children [count], the
+   first's too) and each later one's distribution (rows [count][width], row 0 untouched); returns
+   how many children there are (fewer where the earlier ones took all of q's mass). */
+int64_t distinct_children(const float *q, const int64_t *ids, int64_t width, int64_t first, int64_t count,
+                          const uint64_t *keys, int64_t position, int64_t *children, float *rows) {
+    int64_t taken = -1; /* the index in ids of the last child drawn (none where q lacks `first`) */
+    for (int64_t e = 0; e < width && taken < 0; e++) taken = ids[e] == first ? e : -1;
+    children[0] = first;
+    const float *previous = q;
+    for (int64_t j = 1; j < count; j++) {
+        float *left = rows + j * width;
+        double total = 0.0, mass = 0.0;
+        for (int64_t e = 0; e < width; e++) {
+            left[e] = e == taken ? 0.0f : previous[e];
+            total += left[e];
+        }
+        if (!(total > 0.0)) return j;
+        for (int64_t e = 0; e < width; e++) mass += left[e] = (float)(left[e] / total);
+        taken = drawn_index(left, width, stream_uniform(keys[j], position), mass);
+        children[j] = ids[taken];
+        previous = left;
+    }
+    return count;
+}
+
 /* Up to `steps` passes over `seqs` requests. Request i takes part in passes 0 .. steps_of[i] - 1
    (>= 1): pass 0 feeds its feed_len[i] tokens of `feed` (the requests' feeds one after another),
    pass s > 0 its pick of pass s - 1, at positions from first_position[i] on, into its cache

@@ -60,6 +60,7 @@ SIGNATURES = {  # (argument types, result type) of each C function, in cpu_kerne
     "quantized_columns": ([_P, _P, _P, _I, _I, _P, _I, _P], None),
     "decoder_layers": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I,
                         _B], ctypes.c_int),
+    "distinct_children": ([_P, _P, _I, _I, _I, _P, _I, _P, _P], _I),
     "draft_chain": ([_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I,
                      _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I, _B], ctypes.c_int),
 }
@@ -259,6 +260,23 @@ class CpuKernels:
             return None
         chosen = picks.tolist()
         return [chosen[i * steps:i * steps + n] for i, n in enumerate(steps_of)], ids, q
+
+    def distinct_children(self, ids: torch.Tensor, q: torch.Tensor, first: int, count: int, keys: list[int],
+                          position: int) -> tuple[list[int], torch.Tensor]:
+        """Up to `count` children of one node drawn from q without replacement (cpu_kernels.c's
+        distinct_children): `first` (drawn already), then child j from q less the children before
+        it with the uniform of DRAFT stream keys[j] at `position`. ids [n] int64, q [n] float32 ->
+        (the children, rows [count, n]: row j child j's distribution; row 0 unwritten)."""
+        width = ids.shape[0]
+        _expect(ids.dim() == 1 and q.shape == ids.shape and width > 0 and len(keys) == count >= 1 and position >= 0,
+                lambda: f"distinct_children: ids {tuple(ids.shape)}, q {tuple(q.shape)}, count {count}, "
+                        f"{len(keys)} keys, position {position}")
+        host = torch.frombuffer(array("q", [k - (1 << 64) if k >= 1 << 63 else k for k in keys] + [0] * count),
+                                dtype=torch.int64)  # keys (uint64 bits), then the children
+        rows = torch.empty(count, width)
+        made = self._lib.distinct_children(_ptr(q), _ptr(ids, torch.int64), width, first, count, host.data_ptr(),
+                                           position, host.data_ptr() + 8 * count, _ptr(rows))
+        return host[count:count + made].tolist(), rows
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      eps: float) -> None:

@@ -1374,9 +1374,10 @@ int64_t distinct_children(const float *q, const int64_t *ids, int64_t width, int
    pass s > 0 its pick of pass s - 1, at positions from first_position[i] on, into its cache
    slots (`slots`: feed_len[i] + steps_of[i] - 1 a request, one request's after another's); each
    pass picks picks[i][s] from the logits of the request's last token: the argmax where widths[i]
-   is 0 or less (below 0: the ids of the first pass's -widths[i] largest logits into ids), else the draw of sample_top at temperatures[i] over widths[i] tokens with the uniform of
-   stream keys[i] at the picked token's position, its ids and q into ids, q
-   [seqs][steps][width]. kv_slots [seqs][max_len]: each request's cache slots by position. The
+   is 0 or less (below 0: the ids of the first pass's -widths[i] largest logits into ids, a
+   greedy tree's root children), else the draw of sample_top at temperatures[i] over widths[i]
+   tokens with the uniform of stream keys[i] at the picked token's position, its ids and q into
+   ids, q [seqs][steps][width]. kv_slots [seqs][max_len]: each request's cache slots by position. The
    embedding: rows [vocab][hidden] floats, or (rows NULL) the columns of `codes` (the LM head's,
    tied). Other arguments as decoder_layers takes them. Returns 0; -1 when memory ran out; -2
    when a sampled row's logits held a NaN (the caller's passes in torch then retell the chain). */

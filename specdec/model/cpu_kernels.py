@@ -217,8 +217,8 @@ class CpuKernels:
         another's; kv_slots: each request's slots by position, S rows of equal length, flat;
         widths[i] (its q's size; 0: the argmax; -b: the argmax, and the first pass's b largest
         logits' ids in ids[i, 0, :b], a greedy tree's root children), temperatures[i] and keys[i]
-        (its DRAFT stream key) choose its picks. Lists in, since each tensor checked between passes costs microseconds:
-        -> (each request's picks, ids [S, steps, n], q [S, steps, n]: a sampled pick's top tokens
+        (its DRAFT stream key) choose its picks. Lists in, since each tensor checked between passes
+        costs microseconds: -> (each request's picks, ids [S, steps, n], q [S, steps, n]: a sampled pick's top tokens
         and their q), or None where a sampled row's logits held a NaN (the passes' K/V then in the
         cache)."""
         seqs, vocab, hidden = len(feeds), lm_head.out_features, final_norm.shape[0]

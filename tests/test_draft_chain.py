@@ -1,5 +1,6 @@
 """A draft's chain in one C call (ModelRunner.draft_chain): the same tokens and the same q, bit for
-bit, as the step-by-step drafter, and the cache as it was where it gives up."""
+bit, as the step-by-step drafter (a tree whose other branches are leaves too), and the cache as it
+was where it gives up."""
 from __future__ import annotations
 
 import random
@@ -77,8 +78,9 @@ def test_a_chain_in_c_proposes_the_tokens_and_q_of_the_steps_it_replaces(drafter
 def test_a_tree_whose_other_branches_are_leaves_grows_its_first_branch_in_c(drafters):
     """Trees of 2 and 3 branches, the others leaves (side depth 1), greedy and sampled, beside
     chains, round after round with part of each tree's first branch or a leaf committed: every
-    proposal (tokens, parents, q) equal to the stepping drafter's, the first branches from one C
-    call after the root's children; a tree whose branches all grow (side depth 0) stays in steps."""
+    proposal (tokens, parents, q) equal to the stepping drafter's, each tree from one C call (the
+    root's children from its first pass); a tree whose branches all grow (side depth 0) stays in
+    steps."""
     in_c, stepping = drafters
     chains, draft_chain = [], in_c.runner.draft_chain
     in_c.runner.draft_chain = lambda *args: chains.append(draft_chain(*args)) or chains[-1]

@@ -231,11 +231,12 @@ class ModelDrafter(Drafter):
                 q_rows[req_id] += rows
                 continue
             if step == 0:  # (the first pick is the first child, fed as the chain's)
-                seq.fed += feed[req_id]
-                first, top = picks[i][0], top_ids[i, 0, :tree.branches].tolist()
-                tree.add_root(*(greedy_children(first, top, tree.branches) if p.greedy  # (fed: the context)
-                                else distinct_children(first, rows[0], tree.branches, p.seed, len(seq.fed),
-                                                       self.runner.model.kernels)))
+                seq.fed += feed[req_id]  # (now the context: its length is the children's position)
+                first, kernels = picks[i][0], self.runner.model.kernels
+                if p.greedy:
+                    tree.add_root(*greedy_children(first, top_ids[i, 0, :tree.branches].tolist(), tree.branches))
+                else:
+                    tree.add_root(*distinct_children(first, rows[0], tree.branches, p.seed, len(seq.fed), kernels))
                 picks[i], rows = picks[i][1:], rows[1:]
             tree.add_chain(picks[i], rows)
         return True

@@ -29,8 +29,9 @@ def accept_tree(task: VerifyTask, committed: list[int], seed: int, logits: torch
     tokens, parents = task.draft_tokens, task.parents
     if params.argmax_only:  # the logits' argmax is p's
         return greedy_tree_walk(row_argmax(logits, kernels).tolist(), tokens, parents)
-    if drawn_in_c(params, logits, kernels):  # (the same walk, rule and uniforms; None: a NaN)
+    if not params.greedy:
         u_accept, u_next = _walk_uniforms(task, len(committed), seed, logits.device)
+    if drawn_in_c(params, logits, kernels):  # (the same walk, rule and uniforms; None: a NaN)
         walked = kernels.verify_sampled_tree(logits.contiguous(), params.temperature, tokens, parents,
                                              task.q.token_ids.long().contiguous(), task.q.probs.float().contiguous(),
                                              u_accept, u_next)
@@ -44,7 +45,6 @@ def accept_tree(task: VerifyTask, committed: list[int], seed: int, logits: torch
     p = probs_from_logits(logits, BatchSamplingParams.from_params([params] * len(logits), logits.device), presence)
     if params.greedy:  # (a repetition penalty: the penalised argmax, as one-hot rows)
         return tree_verify(p[0], p[1:], None, tokens, parents, True, None, None)
-    u_accept, u_next = _walk_uniforms(task, len(committed), seed, logits.device)
     q = task.q.to_dense(vocab_size).to(logits.device)
     return tree_verify(p[0], p[1:], q, tokens, parents, False, u_accept, u_next)
 

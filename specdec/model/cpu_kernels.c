@@ -619,6 +619,23 @@ static inline float softmax_at(float x, float t, float top, float total) {
     return exp_or_zero(scaled_logit(x, t) - top) / total;
 }
 
+/* r [vocab] -= q (ids, probs [width]: a sparse proposal; entries outside the vocabulary are 0),
+   each entry q touches clamped at 0 (its old value into saved [width] first, unless NULL); returns
+   the float64 sum of r in order: the mass of max(0, r - q) when r >= 0. */
+static double subtract_proposal(float *r, int64_t vocab, const int64_t *ids, const float *probs, int64_t width,
+                                float *saved) {
+    for (int64_t e = 0; e < width; e++)
+        if (ids[e] >= 0 && ids[e] < vocab) {
+            if (saved) saved[e] = r[ids[e]];
+            r[ids[e]] -= probs[e];
+        }
+    for (int64_t e = 0; e < width; e++)
+        if (ids[e] >= 0 && ids[e] < vocab) r[ids[e]] = r[ids[e]] > 0.0f ? r[ids[e]] : 0.0f;
+    double mass = 0.0;
+    for (int64_t j = 0; j < vocab; j++) mass += r[j];
+    return mass;
+}
+
 /* The target's verdict on one sampled request's chain of `proposed` draft tokens (target_worker's
    chain acceptance, for temperature-only sampling): logits [proposed + 1, vocab], row i the
    target's at draft position i; p_i = softmax(clamp(logits_i / temperature)) in float32 as
@@ -646,13 +663,8 @@ int64_t verify_sampled_chain(const float *logits, int64_t proposed, int64_t voca
     const float *x = logits + a * vocab;
     for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
     double mass = 0.0;
-    if (a < proposed) { /* the residual max(0, p - q); q's entries outside the vocabulary are 0 */
-        const int64_t *ids = q_ids + a * q_width;
-        for (int64_t e = 0; e < q_width; e++)
-            if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] -= q_probs[a * q_width + e];
-        for (int64_t e = 0; e < q_width; e++)
-            if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] = scratch[ids[e]] > 0.0f ? scratch[ids[e]] : 0.0f;
-        for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
+    if (a < proposed) { /* the residual max(0, p - q) */
+        mass = subtract_proposal(scratch, vocab, q_ids + a * q_width, q_probs + a * q_width, q_width, NULL);
         if (!(mass > 0.0)) /* p == q to rounding: a rejection had probability ~0; p is right */
             for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
     }
@@ -700,12 +712,7 @@ int64_t verify_sampled_tree(const float *logits, int64_t nodes, int64_t vocab, f
             if (!dense)
                 for (int64_t j = 0; j < vocab; j++) scratch[j] = softmax_at(x[j], t, top, total);
             dense = 1;
-            for (int64_t e = 0; e < q_width; e++) /* q's entries outside the vocabulary are 0 */
-                if (ids[e] >= 0 && ids[e] < vocab) saved[e] = scratch[ids[e]], scratch[ids[e]] -= probs[e];
-            double mass = 0.0;
-            for (int64_t e = 0; e < q_width; e++)
-                if (ids[e] >= 0 && ids[e] < vocab) scratch[ids[e]] = scratch[ids[e]] > 0.0f ? scratch[ids[e]] : 0.0f;
-            for (int64_t j = 0; j < vocab; j++) mass += scratch[j];
+            const double mass = subtract_proposal(scratch, vocab, ids, probs, q_width, saved);
             if (mass > 0.0)
                 for (int64_t j = 0; j < vocab; j++) scratch[j] = (float)(scratch[j] / mass);
             else /* r == q to rounding: a rejection had probability ~0; r is right (last first: repeats) */

@@ -178,10 +178,13 @@ class SchedulerConfig:
     # (README "Overlapped drafting"); turn it on where draft and target have their own devices.
     overlap: bool = setting(False, "overlapped drafting: the draft drafts round r+1 while the target verifies "
                                    "round r, kept only if round r commits what it assumed; no: serial rounds")
-    tree_branches: int = setting(1, "draft a token tree: this many children of the last committed token, the "
-                                    "first continued K deep, all verified in one pass; 1: a chain")
+    tree_branches: int = setting(1, "draft token trees: this many children of the last committed token, the "
+                                    "first continued K deep, all verified in one pass (adaptive: each round a "
+                                    "chain or such a tree per request, whichever the policy prices better); "
+                                    "1: chains")
     tree_side_depth: int = setting(0, "with tree_branches > 1: how deep the root's other children are grown (1: "
-                                      "leaves, alternatives to the first token only); 0: K deep, like the first")
+                                      "leaves, alternatives to the first token only; adaptive: at most); 0: K "
+                                      "deep, like the first")
     worker_round_timeout: float = setting(
         30.0, "seconds a worker may take to answer one round before it is treated as dead (hung)")
     worker_recovery_timeout: float = setting(

@@ -9,6 +9,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from specdec.sampling.tree import side_branch_depth
+
 # family -> (transformers config class, model class)
 FAMILY_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -97,12 +99,14 @@ class JumpingK:
     """A stand-in speculation policy whose K jumps between 0 and each request's cap from round to
     round (a deterministic function of the request id and its round number): the harshest case
     for exactness, since every round decides its tokens with a different K. Seeded requests get
-    the same K sequence wherever they run, as the real policy guarantees."""
+    the same K sequence wherever they run, as the real policy guarantees. With `branches` > 1 the
+    tree's shape jumps too: a chain, or the other root children 1 to side_depth deep (0: K)."""
 
-    def __init__(self, salt: int = 0):
-        self.salt = salt
+    def __init__(self, salt: int = 0, branches: int = 1, side_depth: int = 0):
+        self.salt, self.branches, self.side_depth = salt, branches, side_depth
         self.rounds: dict[str, int] = {}
         self.chosen: list[int] = []
+        self.shapes: dict[str, tuple[int, int]] = {}
 
     def choose(self, requests) -> list[int]:
         ks = []
@@ -111,8 +115,13 @@ class JumpingK:
             self.rounds[r.req_id] = n + 1
             h = (sum(map(ord, r.req_id)) * 7919 + n * 104729 + self.salt) % 1000003
             ks.append(0 if h % 3 == 0 else h % (r.cap + 1))
+            side = (h // 7) % (side_branch_depth(ks[-1], self.side_depth) + 1) if self.branches > 1 else 0
+            self.shapes[r.req_id] = (self.branches, side) if side else (1, 0)
         self.chosen += ks
         return ks
+
+    def tree_shape(self, req_id: str) -> tuple[int, int]:
+        return self.shapes.get(req_id, (1, 0))
 
     def settled(self, req_ids) -> bool:
         return False  # (every round chooses)
@@ -124,10 +133,11 @@ class JumpingK:
         self.rounds.pop(req_id, None)
 
 
-def fixed_cost_policy(coefficients: tuple[float, ...]):
+def fixed_cost_policy(coefficients: tuple[float, ...], branches: int = 1, side_depth: int = 0):
     """The real speculation policy on fixed round costs (RoundCosts.coefficients' order: v0, v1,
     v2, d0, d1, d2, d3, overhead), not learnt from timings: what it chooses then depends on the
-    tokens alone, never on how fast the machine running the test is."""
+    tokens alone, never on how fast the machine running the test is (branches, side_depth: the
+    widest tree it may draw)."""
     from coordinator.speculation.round_costs import RoundCosts
     from coordinator.speculation.speculation_policy import SpeculationPolicy
 
@@ -140,14 +150,14 @@ def fixed_cost_policy(coefficients: tuple[float, ...]):
         def observe(self, *args, **kwargs):
             pass
 
-    return SpeculationPolicy(FixedCosts(max_fed=64, max_steps=8), reference_draft_cost=0.05)
+    return SpeculationPolicy(FixedCosts(max_fed=64, max_steps=8), 0.05, branches, side_depth)
 
 
-def cheap_drafting_policy():
+def cheap_drafting_policy(branches: int = 1, side_depth: int = 0):
     """Drafting cheap (a verified token 5% of a pass, a draft step 5%), so that the policy does
     speculate with tiny test models (whose draft and target steps cost about the same) and moves
     K with each request's acceptance."""
-    return fixed_cost_policy((1.0, 0.05, 0.0, 0.02, 0.05, 0.0, 0.001, 0.0))
+    return fixed_cost_policy((1.0, 0.05, 0.0, 0.02, 0.05, 0.0, 0.001, 0.0), branches, side_depth)
 
 
 def self_draft_weights(drafter: str | None) -> dict:
@@ -158,10 +168,11 @@ def self_draft_weights(drafter: str | None) -> dict:
 
 def use_policy(engine, policy: str):
     """"fixed": always the cap; "jumping": JumpingK; "adaptive": the real policy, drafting cheap."""
+    config = engine.scheduler.config
     if policy == "jumping":
-        engine.scheduler.policy = JumpingK()
+        engine.scheduler.policy = JumpingK(branches=config.tree_branches, side_depth=config.tree_side_depth)
     elif policy == "adaptive":
-        engine.scheduler.policy = cheap_drafting_policy()
+        engine.scheduler.policy = cheap_drafting_policy(config.tree_branches, config.tree_side_depth)
     elif policy != "fixed":
         raise ValueError(policy)
     return engine

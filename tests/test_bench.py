@@ -270,6 +270,27 @@ def test_bench_repeats_run_every_system_again_and_pool(tmp_path, capsys):
     assert main(["bench", "--target", str(target), "--prompts", str(prompts), "--repeats", "0", "--no-progress"]) == 2
 
 
+def test_bench_tree_rows_report_nodes_the_share_of_trees_and_acceptance_by_depth(tmp_path, capsys):
+    """The tree systems beside the chains: at fixed K every draft is a tree (2 branches, the other a
+    leaf: K + 1 nodes); where the policy chooses, a share of them; the same tokens as plain."""
+    from specdec_app.cli import main
+
+    target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--quick",
+               "--systems", "engine,spec-draft-tree-fixed,spec-draft-tree", "--batch-sizes", "1",
+               "--temperatures", "0", "-k", "3", "--tree-branches", "2", "--tree-side-depth", "1",
+               "--max-new-tokens", "8", "--threads", "1", "--cost-steps", "2", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "the share of drafts that were trees" in capsys.readouterr().out
+    rows = {r["system"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    fixed, chosen = rows["spec-draft-tree-fixed"], rows["spec-draft-tree"]
+    assert fixed["tree_share"] == 1.0 and 1.0 < fixed["nodes_per_pass"] <= 4.0
+    assert chosen["tree_share"] is None or 0.0 <= chosen["tree_share"] <= 1.0  # (None: the policy never drafted)
+    assert fixed["acceptance_by_depth"]
+    assert fixed["same_output_as_plain"] == chosen["same_output_as_plain"] == 1.0
+
+
 def test_bench_oracle_runs_every_fixed_k_beside_the_adaptive_row(tmp_path, capsys):
     from specdec_app.cli import main
 

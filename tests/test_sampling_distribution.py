@@ -176,17 +176,18 @@ TREE_PARAMS = {"temperature": dict(temperature=1.0), "hot": dict(temperature=1.5
 
 
 def tree_samples(models, drafter: str, params: dict, seed: int, prompt: list[int] = PROMPT, side_depth: int = 0,
-                 ) -> tuple[list[tuple[int, ...]], list[float]]:
+                 policy: str = "fixed") -> tuple[list[tuple[int, ...]], list[float]]:
     draft = {"self": str(models["target"]), "ngram": "ngram"}.get(drafter) or str(models[drafter])
     trees = []
     engine = LocalEngine(str(models["target"]), draft=draft, num_speculative_tokens=2, max_batch_size=1000,
                          adaptive=False, tree_branches=3, tree_side_depth=side_depth, **self_draft_weights(drafter),
                          on_round=lambda report: trees.extend(u.tree_nodes for u in report.updates if u.tree_nodes))
+    use_policy(engine, policy)
     sp = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, seed=seed + i, **params) for i in range(SAMPLES)]
     outputs = engine.generate([prompt] * SAMPLES, sp)
     # Trees of up to 3 branches were verified (fewer where q has fewer tokens), 2 deep, or 1 where
-    # max_new_tokens leaves room for one.
-    assert len(trees) > SAMPLES // 2 and max(trees) == (6 if side_depth == 0 else 4)
+    # max_new_tokens leaves room for one (a jumping policy: a chain or K = 0 in half the rounds).
+    assert len(trees) > SAMPLES // (2 if policy == "fixed" else 4) and max(trees) == (6 if side_depth == 0 else 4)
     engine.target_worker.cache.check_accounting()
     assert engine.target_worker.cache.allocator.num_used == 0
     rates = [o.stats.acceptance_rate for o in outputs if o.stats.acceptance_rate is not None]
@@ -209,6 +210,14 @@ def test_trees_with_leaf_side_branches_follow_target_distribution(models, params
     """tree_side_depth 1: the root's other children are leaves beside a 2-deep first branch."""
     samples, rates = tree_samples(models, "perturbed", TREE_PARAMS[params_name], seed=8000, side_depth=1)
     assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS[params_name])) > 1e-3
+    assert 0.0 < float(np.mean(rates)) < 1.0
+
+
+def test_trees_whose_shape_jumps_round_to_round_follow_target_distribution(models):
+    """K and the tree's shape chosen afresh each round (JumpingK: chains, and the other children 1
+    or 2 deep), as the policy chooses them: each round's rule is exact whatever its shape."""
+    samples, rates = tree_samples(models, "perturbed", TREE_PARAMS["temperature"], seed=9500, policy="jumping")
+    assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS["temperature"])) > 1e-3
     assert 0.0 < float(np.mean(rates)) < 1.0
 
 

@@ -19,6 +19,7 @@ from coordinator.speculation.speculation_policy import (
     expected_tokens,
     report_shape,
 )
+from specdec.sampling.tree import tree_size
 
 STEP = 1e-3  # a plain target pass at batch 1, seconds
 
@@ -496,8 +497,13 @@ def test_after_a_rejection_the_next_first_token_is_priced_by_its_own_rate(monkey
 
     best_fixed = max(speed(None, k) for k in range(1, 6))
     own_rate = speed(new_policy())
-    one_rate_policy = new_policy()
-    monkeypatch.setattr(one_rate_policy, "_first_apart", lambda evidence: False)
+    one_rate_policy, observe = new_policy(), new_policy().observe
+
+    def observe_one_rate(report, greedy):  # (a miss never gives the next first token a rate of its own)
+        observe.__func__(one_rate_policy, report, greedy)
+        for evidence in one_rate_policy._own.values():
+            evidence.missed = False
+    monkeypatch.setattr(one_rate_policy, "observe", observe_one_rate)
     one_rate = speed(one_rate_policy)
     assert own_rate > 1.02 * best_fixed and own_rate > 1.02 * one_rate
 
@@ -600,21 +606,38 @@ def test_the_bound_that_spares_the_choice_never_hides_a_k_that_pays(branches):
     rates, backlogs, costs and tree shapes, where it says nothing pays, the full choice drafts
     nothing either."""
     rng = random.Random(branches)
-    policy = SpeculationPolicy(RoundCosts(max_fed=64, max_steps=8), 0.1, branches, side_depth=rng.choice([0, 1]))
+    policy = SpeculationPolicy(RoundCosts(max_fed=64, max_steps=8), 0.1, branches, side_depth=rng.choice([0, 1, 2]))
     policy.costs.observe(RoundShape(2, 0, 1, 1, 0), STEP, 0.1 * STEP, 0.0, prefill=False)
     bound_said = 0
     for _ in range(3000):
         free = [PolicyRequest(f"r{i}", rng.randint(1, 8), True, False, rng.choice([0, rng.randint(1, 300)]),
                               rng.randint(1, 500)) for i in range(rng.randint(1, 8))]
-        estimates = [policy_module.Estimate(rng.random() * 0.999, rng.random(), rng.random()) for _ in free]
+        estimates = [policy_module.Estimate(rng.random() * 0.999, rng.random(), rng.random(), rng.random())
+                     for _ in free]
         # (v0, the pass's constant, takes the cost of what the rounds cannot tell apart: never 0)
         costs = (STEP * 10 ** rng.uniform(-1, 1),
                  *(rng.choice([0.0, STEP * 10 ** rng.uniform(-3, 1)]) for _ in range(7)))
         batch, sampled = len(free) + rng.randint(0, 3), rng.random() < 0.5
         if policy._cannot_pay(free, estimates, batch, costs, sampled):
             bound_said += 1
-            assert not any(policy._merit(free, estimates, batch, costs, sampled).values())
+            assert not any(k or side for k, side in policy._merit(free, estimates, batch, costs, sampled).values())
     assert bound_said > 300
+
+
+def test_at_k_0_no_worth_rises_above_the_ceiling_that_settled_the_rounds():
+    """A round at K = 0 settles the next ones where nothing pays at the ceilings: rounds at K = 0
+    move each rate from the request's own towards its kind's prior and price the first token at
+    alpha; no chain token's or tree's other children's worth on the way rises above the ceiling's."""
+    rng = random.Random(3)
+    for _ in range(2000):
+        own, prior = (policy_module.Estimate(*(rng.random() * 0.999 for _ in range(4))) for _ in range(2))
+        ceiling = own.ceiling(prior)
+        for mix in (0.0, 0.3, 0.7, 1.0):
+            moved = policy_module.Estimate(*(mix * a + (1 - mix) * b for a, b in zip(own, prior)))
+            moved = moved._replace(first=moved.alpha)
+            for k in (1, 2, 5):
+                assert moved.worth(k) <= ceiling.worth(k) + 1e-12
+                assert moved.others.worth(k) <= ceiling.others.worth(k) + 1e-12
 
 
 def test_a_lookup_that_finds_nothing_is_not_a_rejection():
@@ -649,7 +672,7 @@ def test_rounds_that_settle_the_next_ones_choose_as_the_full_choice_would(monkey
         return out
 
     settled = schedule()
-    monkeypatch.setattr(SpeculationPolicy, "_still_quiet", lambda self, requests: False)
+    monkeypatch.setattr(SpeculationPolicy, "settled", lambda self, requests: False)
     assert settled == schedule()
     assert sum(1 for ks in settled if not any(ks)) > 500 and sum(1 for ks in settled if sum(ks) > 1) > 50
 
@@ -736,68 +759,69 @@ def test_at_k_0_the_drafter_is_called_only_to_probe(tmp_path_factory, drafter):
     # until it settles again, longer where lookups fail (coverage falls slowly))
 
 
-def test_a_tree_is_priced_by_all_its_nodes():
-    """branches: each asked depth is verified and drafted that many times. Where a verified token
-    costs 60% of a pass, a chain that is always accepted pays at K = 5, and a tree of 3 branches
-    (1.8 passes per depth for one more token) does not: it stays at K = 0 but for probes."""
-    machine = Machine(per_token=0.6 * STEP, step=0.01 * STEP)
-    chosen = {}
-    for branches in (1, 3):
-        policy = new_policy(branches=branches)
-        ks = [run_round(policy, machine, [greedy("a")], all_accepted, branches=branches)[0] for _ in range(300)]
-        chosen[branches] = ks[-100:]
-    assert chosen[1].count(5) > 90
-    assert chosen[3].count(0) > 90
-    # The same 3 branches with the other two as leaves (side depth 1): 2 nodes once, then 1 per
-    # depth, which pays like the chain.
-    leaves = SpeculationPolicy(RoundCosts(max_fed=48 * 3, max_steps=5), 0.1, branches=3, side_depth=1)
-    ks = []
-    for _ in range(300):
-        k = leaves.choose([greedy("a")])[0]
-        ks.append(k)
-        nodes = k + 2 * min(k, 1)
+def tree_rounds(policy: SpeculationPolicy, machine: Machine, first: float, side: float, alpha: float,
+                rounds: int = 400) -> tuple[list[tuple[int, int]], float]:
+    """Rounds of one greedy request whose draft's first child is kept with probability `first`,
+    where it was rejected one of the tree's other root children with `side`, and each deeper token
+    along the branch kept with `alpha`; the policy chooses K and the shape. Returns (K, side depth)
+    a round and the committed tokens a second."""
+    draws, shapes, tokens, seconds = random.Random(0), [], 0, 0.0
+    for _ in range(rounds):
+        k = policy.choose([greedy("a")])[0]
+        branches, side_depth = policy.tree_shape("a")
+        tree, first_kept = branches > 1 and k > 0, k > 0 and draws.random() < first
+        side_kept = tree and not first_kept and draws.random() < side
+        depth = k if first_kept else side_depth if side_kept else 0  # (the branch the walk follows)
+        accepted = next((i for i in range(1, depth) if draws.random() >= alpha), depth)
+        nodes = tree_size(k, branches, side_depth)
         shape = RoundShape(fed=nodes + 1, sampled=0, steps=k, proposed=nodes, catch_up=0)
-        update = RequestUpdate("a", [1] * (k + 1), "", num_speculative_tokens=k, proposed=k, accepted=k,
-                               tree_nodes=nodes if k else None)
-        leaves.observe(RoundReport(updates=[update], ran=True, verify_seconds=machine.verify(shape),
-                                   draft_seconds=machine.draft(shape), draft_steps=k, draft_proposed=nodes),
-                       {"a": True})
-    assert ks[-100:].count(5) > 90
+        update = RequestUpdate("a", [1] * (accepted + 1), "", num_speculative_tokens=k, proposed=k,
+                               accepted=accepted, tree_nodes=nodes if tree else None,
+                               side_tried=tree and not first_kept, side_kept=side_kept)
+        report = RoundReport(updates=[update], ran=True, verify_seconds=machine.verify(shape),
+                             draft_seconds=machine.draft(shape), draft_steps=k, draft_proposed=nodes)
+        policy.observe(report, {"a": True})
+        shapes.append((k, side_depth))
+        tokens, seconds = tokens + accepted + 1, seconds + report.verify_seconds + report.draft_seconds
+    return shapes, tokens / seconds
+
+
+def test_a_tree_is_drawn_where_its_other_children_pay_and_a_chain_where_they_do_not():
+    """The first child kept 40% of the time, deeper tokens 80%, and a verified node cheap: where a
+    second root child is kept 90% of the times the first is rejected, the policy draws it (a leaf
+    beside the chain) and beats the chain-only policy on the same draws; where it is never kept, the
+    policy draws chains (after trying the tree) and is as fast as the chain-only policy."""
+    machine = Machine(per_token=0.05 * STEP, step=0.1 * STEP)
+    for side, leaves in ((0.9, True), (0.0, False)):
+        chain_shapes, chain_speed = tree_rounds(new_policy(), machine, 0.4, side, 0.8)
+        policy = SpeculationPolicy(RoundCosts(max_fed=96, max_steps=5), 0.1, branches=2, side_depth=1)
+        shapes, speed = tree_rounds(policy, machine, 0.4, side, 0.8)
+        trees = sum(1 for k, side_depth in shapes[-200:] if side_depth)
+        assert all(side_depth <= min(k, 1) for k, side_depth in shapes)
+        assert not any(side_depth for _, side_depth in chain_shapes)
+        if leaves:
+            assert trees > 180 and speed > 1.15 * chain_speed
+        else:
+            assert trees < 20 and speed > 0.97 * chain_speed
+
+
+def test_where_a_verified_node_is_dear_a_rarely_needed_second_child_is_not_drawn():
+    """The first child kept 90% of the time: a second child adds 0.09 tokens a round for a node
+    that costs 60% of a pass; the policy of 3 branches (each as deep as the first) drafts chains,
+    where pricing each depth by all its nodes would leave it at K = 0."""
+    machine = Machine(per_token=0.6 * STEP, step=0.01 * STEP)
+    policy = SpeculationPolicy(RoundCosts(max_fed=48 * 3, max_steps=5), 0.1, branches=3)
+    shapes, _ = tree_rounds(policy, machine, 0.9, 0.9, 0.9)
+    assert sum(1 for k, side_depth in shapes[-100:] if k >= 1 and not side_depth) > 90
 
 
 def test_seeded_requests_price_a_trees_nodes_too():
     ask = PolicyRequest("s", 5, greedy=False, seeded=True)
     chain, tree = new_policy(0.3), new_policy(0.3, branches=4)
     assert chain.choose([ask]) > tree.choose([ask])
-
-
-@pytest.mark.parametrize("first_depth_rate", [True, False], ids=["own-rate", "one-rate-control"])
-def test_a_trees_first_depth_is_credited_with_its_own_acceptance(monkeypatch, first_depth_rate):
-    """A tree of 2 branches (the second a leaf) whose first depth is always accepted, thanks to its
-    second child, and nothing deeper ever is. With the first depth's own rate the policy asks 1
-    token, which pays; with one rate for every token (the control) the first depth's hits make
-    deeper tokens look half right, it asks 2, and the round is slower."""
-    if not first_depth_rate:
-        monkeypatch.setattr(SpeculationPolicy, "_first_apart", lambda self, evidence: False)
-    machine = Machine(per_token=0.25 * STEP, step=0.1 * STEP)
-    policy = SpeculationPolicy(RoundCosts(max_fed=96, max_steps=5), 0.1, branches=2, side_depth=1)
-    ks, tokens, seconds = [], 0, 0.0
-    for _ in range(300):
-        k = policy.choose([greedy("a")])[0]
-        nodes, accepted = k + min(k, 1), min(k, 1)
-        shape = RoundShape(fed=nodes + 1, sampled=0, steps=k, proposed=nodes, catch_up=0)
-        update = RequestUpdate("a", [1] * (accepted + 1), "", num_speculative_tokens=k, proposed=k,
-                               accepted=accepted, tree_nodes=nodes if k else None)
-        report = RoundReport(updates=[update], ran=True, verify_seconds=machine.verify(shape),
-                             draft_seconds=machine.draft(shape), draft_steps=k, draft_proposed=nodes)
-        policy.observe(report, {"a": True})
-        ks.append(k)
-        tokens, seconds = tokens + accepted + 1, seconds + report.verify_seconds + report.draft_seconds
-    plain_rate = 1 / machine.verify(RoundShape(fed=1, sampled=0, steps=0, proposed=0, catch_up=0))
-    if first_depth_rate:
-        assert ks[-100:].count(1) > 85 and tokens / seconds > 1.25 * plain_rate
-    else:
-        assert ks[-100:].count(2) > 50 and tokens / seconds < 1.2 * plain_rate
+    cheap = new_policy(0.01, branches=2)
+    k = cheap.choose([ask])[0]
+    assert k > 0 and cheap.tree_shape("s") == (2, k)  # (a seeded request's tree: as set, side depth 0: K)
 
 
 def test_the_k0_overhead_script_counts_only_rounds_where_nothing_was_drafted(tmp_path_factory):

@@ -4,6 +4,8 @@ same tokens with trees as alone or in a batch; the target and the draft keep onl
 path in their caches; a malformed tree is refused without touching the round's other requests."""
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def assert_caches_empty(engine: LocalEngine) -> None:
 
 
 @pytest.mark.parametrize("drafter", ["perturbed", "self", "random", "ngram"])
-@pytest.mark.parametrize("policy,side_depth", [("fixed", 0), ("jumping", 0), ("fixed", 1)])
+@pytest.mark.parametrize("policy,side_depth", [("fixed", 0), ("jumping", 0), ("fixed", 1), ("adaptive", 1)])
 def test_greedy_trees_give_the_targets_tokens(models, references, drafter, policy, side_depth):
     engine = use_policy(LocalEngine(models["target"], draft=models[drafter], num_speculative_tokens=3,
                                     kv_block_size=8, adaptive=False, tree_branches=3, tree_side_depth=side_depth,
@@ -61,10 +63,46 @@ def test_greedy_trees_give_the_targets_tokens(models, references, drafter, polic
     trees = tree_rounds(engine)
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outputs] == references
-    if drafter != "ngram":  # (the n-gram drafter's trees need earlier matches followed by different tokens)
+    # (The n-gram drafter's trees need earlier matches followed by different tokens; where the first
+    # child is always kept, drafting itself, the policy's trees soon give way to chains.)
+    if drafter != "ngram" and (drafter, policy) != ("self", "adaptive"):
         assert sum(trees) > 0
     if drafter == "self":  # the target drafting for itself: its first branch is always kept
         assert all(o.stats.acceptance_rate == 1.0 for o in outputs)
+    assert_caches_empty(engine)
+
+
+def test_each_draft_has_its_policys_shape_and_a_tree_round_says_which_root_child_was_kept(models):
+    """Each draft task has the shape the policy chose for its request that round (here shapes that
+    jump: chains, and trees whose other children are 1 to 3 deep); a tree round reports the root's
+    other children tried where the first child is not the target's token, and kept where one of
+    them is (greedy: the target's token is the one committed first)."""
+    engine = use_policy(LocalEngine(models["target"], draft=models["perturbed"], num_speculative_tokens=3,
+                                    kv_block_size=8, adaptive=False, tree_branches=3, tree_side_depth=0), "jumping")
+    policy, propose, proposals, shapes = engine.scheduler.policy, engine.scheduler.draft.propose, {}, []
+
+    def recorded(tasks, finished):
+        shapes.extend(((t.branches, t.side_depth), policy.tree_shape(t.req_id)) for t in tasks)
+        replies = propose(tasks, finished)
+        proposals.update((reply.req_id, reply) for reply in replies)
+        return replies
+
+    engine.scheduler.draft.propose = recorded
+    walks = collections.Counter()
+
+    def check(report):
+        for u in (u for u in report.updates if u.tree_nodes):
+            tokens, parents = proposals[u.req_id].tokens, proposals[u.req_id].parents
+            others = [t for t, parent in zip(tokens[1:], parents[1:]) if parent == -1]
+            assert u.side_tried == (u.token_ids[0] != tokens[0])
+            assert u.side_kept == (u.side_tried and u.token_ids[0] in others)
+            walks[u.side_tried, u.side_kept] += 1
+
+    engine.on_round = check
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert shapes and all(sent == chosen for sent, chosen in shapes)
+    assert {shape for shape, _ in shapes} >= {(1, 0), (3, 1), (3, 2), (3, 3)}
+    assert walks[True, True] and walks[True, False]  # (measured: 2 kept, 21 not)
     assert_caches_empty(engine)
 
 

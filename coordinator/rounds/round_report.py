@@ -21,6 +21,9 @@ class RequestUpdate:
     proposed: int = 0  # draft tokens the drafter offered (may be fewer than K); of a tree, its depth
     accepted: int = 0  # of those, kept by the target
     tree_nodes: int | None = None  # a token tree's nodes, all scored by the target (None: a chain)
+    # A tree's root children after the first: tried (the first was rejected), and one of them kept.
+    side_tried: bool = False
+    side_kept: bool = False
     finished: bool = False
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "deadline" | "error"
     stats: RequestStats | None = None  # set on the last update

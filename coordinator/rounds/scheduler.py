@@ -226,6 +226,12 @@ class Scheduler:
     def _tree_size(self, k: int) -> int:
         return tree_size(k, self.config.tree_branches, self.config.tree_side_depth)
 
+    def _tree_shape(self, req_id: str) -> tuple[int, int]:
+        """(branches, side depth) of a request's draft this round: the policy's choice, else as set."""
+        if self.policy is not None:
+            return self.policy.tree_shape(req_id)
+        return self.config.tree_branches, self.config.tree_side_depth
+
     def _choose(self, runs: list[RunningRequest]) -> dict[str, int]:
         """K per request: the policy's choice under each cap, or the cap itself in fixed mode."""
         if self.policy is not None:
@@ -329,6 +335,9 @@ class Scheduler:
         update.num_speculative_tokens, update.proposed, update.accepted = asked, proposed, outcome.num_accepted
         if proposal is not None and proposal.parents:
             update.tree_nodes = len(proposal.tokens)
+            first_kept = outcome.num_accepted > 0 and outcome.tokens[0] == proposal.tokens[0]
+            update.side_tried = proposal.parents.count(-1) > 1 and not first_kept
+            update.side_kept = update.side_tried and outcome.num_accepted > 0
         report.updates.append(update)
 
     def _collect_predraft(self, predraft, verified: bool, report: RoundReport) -> None:
@@ -370,10 +379,10 @@ class Scheduler:
                 report.predraft_kept += len(assumed)
             if k == 0:  # (its tokens wait in unsent_to_draft: the backlog its first draft call pays, priced)
                 continue
+            branches, side_depth = (1, 0) if assumed else self._tree_shape(req_id)
             tasks.append(DraftTask(req_id=req_id, new_tokens=run.unsent_to_draft, num_speculative_tokens=k,
                                    params=run.request.params, assumed_tokens=assumed,
-                                   branches=1 if assumed else self.config.tree_branches,
-                                   side_depth=self.config.tree_side_depth))
+                                   branches=branches, side_depth=side_depth))
         if not (any(t.num_speculative_tokens for t in tasks) or self.failover.release_draft):
             return proposals
         releases, self.failover.release_draft = self.failover.release_draft, []

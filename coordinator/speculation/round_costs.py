@@ -1,30 +1,29 @@
 """What a round costs here, learnt online from the rounds the scheduler runs (no start-up timing).
 
-Terms, per round (RoundReport):
-- the target is fed T tokens (each verified request its K + 1); where a request samples and
-  something was proposed, the accept test takes distributions at P = B (max K + 1) positions
-  (every request's, padded to the longest proposal), else P = 0;
-- the drafter, when called, runs S = max K steps proposing D = sum K tokens, after catching up on
-  C committed tokens it had not seen (a new prompt, rounds at K = 0);
-- the coordinator's own time is the rest of the round.
+Terms, per round (RoundReport): the target is fed T tokens (each verified request its draft's
+nodes + 1); where a request samples and something was proposed, the accept test takes
+distributions at P = B (longest draft + 1) positions, else P = 0; the drafter, when called, runs S
+= max K steps drafting D nodes after catching up on C committed tokens it had not seen (a new
+prompt, rounds at K = 0); the coordinator's own time is the rest of the round.
 
 Model: verify seconds = v0 + v1 T + v2 P; draft seconds = d0 + d1 S + d2 D + d3 C (0 when not
-called); overhead seconds = o. Each is a least-squares fit over past rounds in which a round's
-weight fades by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load,
-context growth) within tens of rounds; a round is counted at most twice what the fit predicted
-for it (on a shared CPU one round in fifty stalls for 10-100x its time: unclipped, such spikes
-set the fit's slopes).
-Terms that the rounds seen so far cannot tell apart (every round alike) are pulled towards 0 but
-one per fit, which takes their cost: the pass's (v0) and the draft step's (d1). That is the
-optimistic guess: more verified tokens look free and a shorter K cheaper, so the policy tries them
-and measures them (were a draft call's constant to take the cost, a K shorter than the one measured
-would be priced as dear and never tried: rounds all at K = 5 would stay so). A round that fed the
-target a prompt is left out of the verify fit, and so is the next: it runs cold (a 10-30 ms pause
-made a pass 1.7-2.4x slower; counted, it priced a verified token at 5x after a spell at K = 0).
+called); overhead seconds = o. Each is a least-squares fit over past rounds, a round's weight
+fading by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load, context
+growth) within tens of rounds; a round counts at most twice what the fit predicted for it (on a
+shared CPU one round in fifty stalls for 10-100x its time: unclipped, such spikes set the slopes).
+Terms the rounds seen so far cannot tell apart (every round alike) are pulled towards 0 but one
+per fit, which takes their cost: the pass's (v0) and the draft step's (d1). That is the optimistic
+guess: more verified tokens look free and a shorter K cheaper, so the policy tries and measures
+them (were a draft call's constant to take the cost, a K shorter than the one measured would be
+priced as dear and never tried). A round that fed the target a prompt is left out of the verify
+fit, and so is the next: it runs cold (a 10-30 ms pause made a pass 1.7-2.4x slower; counted, it
+priced a verified token at 5x after a spell at K = 0).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import numpy
 
 # Rounds over which a round's timing fades to 1/e of its weight: long enough to average single rounds'
 # noise (a shared CPU's timings jump by 2x), short enough to follow a load that changes within a request.
@@ -44,12 +43,11 @@ class RoundShape(NamedTuple):
 
 
 class FadingLeastSquares:
-    """theta minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |theta|^2
-    but theta[free] (never pulled), on features x whose first is the constant 1. Features are
-    divided by `scales` first, so one ridge suits all. Consecutive rounds of the same features
-    (a steady batch at K = 0) gather as one weighted round until the features change or theta
-    is read, so a round costs a few multiply-adds; theta is solved when read after each of the
-    first _SOLVE_EVERY rounds, then after every _SOLVE_EVERY."""
+    """theta minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |theta|^2 but
+    theta[free] (never pulled), on features x (the first the constant 1) divided by `scales` (so one
+    ridge suits all). Consecutive rounds of the same features (a steady batch at K = 0) gather as one
+    weighted round till they change or theta is read; theta is solved when read after each of the
+    first _SOLVE_EVERY rounds, then every _SOLVE_EVERY."""
 
     def __init__(self, scales: list[float], free: int = 0):
         self.scales, self.free = scales, free
@@ -123,27 +121,10 @@ class FadingLeastSquares:
 
 
 def _solve(gram: list[list[float]], moment: list[float], ridge: float, free: int) -> list[float]:
-    """(gram + ridge on the diagonal but its entry `free`) x = moment by Gaussian elimination with
-    partial pivoting (a few unknowns: plain Python is faster than numpy's call overhead);
-    unknowns without data (a zero pivot) are 0."""
-    n = len(moment)
-    m = [row + [b] for row, b in zip(gram, moment)]
-    for i in range(n):
-        m[i][i] += ridge if i != free else 0.0
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        if abs(m[col][col]) < 1e-12:
-            continue
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            if f:
-                m[r] = [v - f * w for v, w in zip(m[r], m[col])]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        if abs(m[r][r]) >= 1e-12:
-            x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
+    """(gram + ridge on the diagonal but its entry `free`) x = moment, the least-norm solution: an
+    unknown without data (a column of zeros) is 0."""
+    pull = numpy.diag([0.0 if i == free else ridge for i in range(len(moment))])
+    return numpy.linalg.lstsq(numpy.array(gram) + pull, numpy.array(moment), rcond=1e-12)[0].tolist()
 
 
 class RoundCosts:
@@ -175,9 +156,8 @@ class RoundCosts:
         return self.verify.solve_due() or self.draft.solve_due()
 
     def coefficients(self, solve: bool = True) -> tuple[float, ...]:
-        """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature: for a caller
-        that prices many shapes of one round (the policy's choice); a draft call's terms apply only
-        where it drafts."""
+        """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature, for a caller that
+        prices many shapes of one round (the policy's choice); a draft call's terms only where it drafts."""
         return (*self.verify.per_unit(solve), *self.draft.per_unit(solve), self.overhead)
 
     def observe(self, shape: RoundShape, verify_seconds: float, draft_seconds: float, overhead_seconds: float,

@@ -1,52 +1,53 @@
-"""How many tokens each running request drafts this round: K from 0 (plain decoding) to its cap.
+"""How many tokens each running request drafts this round (K, 0: plain decoding), and in what shape.
 
 The model:
 - A request's k-th asked token is worth coverage * first * alpha^(k - 1) committed tokens:
   coverage, the share of asked tokens the drafter proposes (1 for a model; an n-gram lookup may
   find nothing: no rejection, a lookup's cost); alpha, a proposed token's acceptance; first, the
-  first asked depth's, with a rate of its own where it differs (else alpha): a chain's after a
-  round that rejected a token (greedy: a draft just wrong is wrong again 0.4-0.7 of the time,
-  else 0.03-0.14), a tree's always. An unmeasured first is no better than alpha.
+  first token's: its own rate after a round that rejected a token (greedy: a draft just wrong is
+  wrong again 0.4-0.7 of the time, else 0.03-0.14), else alpha. A tree's other b - 1 root children,
+  grown m deep, are worth coverage * (1 - first) * side * alpha^(j - 1) at depth j (side: one of
+  them kept where the first child was rejected), for b - 1 nodes a depth.
 - Each rate = (hits + w * prior) / (trials + w); a token is tested up to the first rejected one.
   The counts fade by DECAY every round the request takes part in (at K = 0 too: old evidence gives
   way to the prior). The prior is the pool: the same rates over all requests of one kind (greedy
   or sampled), fading by DECAY per w tokens, from INITIAL_ACCEPTANCE and coverage 1. w is the
   kind's (coverage's: PRIOR_WEIGHT): of PRIOR_WEIGHT * 2^j, the one best predicting recent tokens.
-- A round's seconds for given K's: RoundCosts, learnt online (a tree: each depth is its nodes). A
-  drafter's catch-up serves every token its request may still commit: a round pays its share.
-- The choice maximises committed tokens per second over the batch: draft tokens are added in
-  decreasing order of worth and the best prefix wins (draft steps are shared by the batch). A
-  round where no token could pay even at each rate's ceiling (a bound, else the choice) settles the
-  next ones too while nothing that could change that changes (K = 0 rounds cost little to choose).
+- A round's seconds: RoundCosts, learnt online. A drafter's catch-up serves every token its
+  request may still commit: a round pays its share.
+- The choice maximises committed tokens per second over the batch: draft tokens and a tree's
+  depths of other children are added in decreasing order of worth a node and the best prefix wins
+  (draft steps are shared by the batch). A round where no token could pay even at each rate's
+  ceiling (a bound, else the choice) settles the next ones while nothing that could change that
+  changes (K = 0 rounds cost little to choose).
 - Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
   interval, its request longest without drafting (the smaller backlog among equals) drafts 1
-  token, and if it was accepted again the round after (the probe paid the drafter's catch-up;
-  what drafting on merit costs is measured only without one). The interval starts at 2 rounds,
-  doubles up to MAX_PROBE_INTERVAL after each probe that brings no request back, resets when one
-  drafts on merit, and counts in plain rounds' worth of the probe's price where that is more than
-  a round (a dear probe takes no more of the time than a cheap one). No probe while even
+  token, and if it was accepted again the round after (the probe paid the drafter's catch-up).
+  The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL after each probe that brings
+  no request back, resets when one drafts on merit, and counts in plain rounds' worth of the
+  probe's price (a dear probe takes no more of the time than a cheap one). No probe while even
   acceptance 1 could not pay for drafting.
-- Seeded sampled requests: which draws decide a token depends on K, so their K follows their own
-  history only: each maximises its expected tokens / (1 + K (c + REFERENCE_VERIFY_TOKEN_COST)), in
-  target steps, c = draft/target parameter ratio, from the constant priors, and probes on its own
-  clock of rounds; never the pool, the batch, or a timing.
+- Seeded sampled requests' K follows their own history only (which draws decide a token depends
+  on K): the best expected tokens / (1 + nodes (c + REFERENCE_VERIFY_TOKEN_COST)), in target
+  steps, c = draft/target parameter ratio, from the constant priors, a tree as set, probing on
+  its own clock; never the pool, the batch, or a timing.
 choose() leaves the estimates as they were (a round that then fails changes nothing).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from coordinator.rounds.round_report import RoundReport
 from coordinator.speculation.round_costs import RoundCosts, RoundShape
-from specdec.sampling.tree import tree_size
+from specdec.sampling.tree import side_branch_depth, tree_size
 
 PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
 DECAY = 0.9  # a request's evidence per round: acceptance shifts within a request (code, then prose)
 INITIAL_ACCEPTANCE = 0.6  # the pool's prior before any evidence, and seeded requests' prior
 MAX_PROBE_INTERVAL = 64  # rounds: probing a drafter that never pays costs about 1 round in this many
 REFERENCE_VERIFY_TOKEN_COST = 0.1  # one more verified token, in target steps (seeded requests' rule)
-_ALPHA_MAX = 0.999  # keeps E finite
+_RATE_MAX = 0.999  # an acceptance's: keeps E finite
 
 
 class Estimate(NamedTuple):
@@ -54,7 +55,20 @@ class Estimate(NamedTuple):
 
     alpha: float  # acceptance of a draft token (but for the first where it has its own rate)
     coverage: float  # the share of asked tokens the drafter proposes
-    first: float  # acceptance of the first asked depth (alpha where it has no rate of its own)
+    first: float  # acceptance of the first token (alpha where it has no rate of its own)
+    side: float = 0.0  # a tree's: another root child kept, where the first was rejected
+
+    @property
+    def others(self) -> Estimate:
+        """What a tree's other children at depths 1, 2... are worth, as an Estimate of a chain."""
+        return self._replace(first=(1.0 - self.first) * self.side)
+
+    def ceiling(self, prior: Estimate) -> Estimate:
+        """Each worth at its largest while the rates move towards `prior` (rounds at K = 0), where the
+        first is priced at alpha: the larger rates, a tree's other children after the least first."""
+        top = Estimate(*map(max, self, prior))
+        first, least = max(top.first, top.alpha), min(self.first, self.alpha, prior.alpha)
+        return top._replace(first=first, side=(1.0 - least) * top.side / (1.0 - first))
 
     def worth(self, k: int) -> float:
         """Committed tokens the k-th asked token adds."""
@@ -66,13 +80,13 @@ class Estimate(NamedTuple):
 
 
 def expected_tokens(alpha: float, k: int, coverage: float = 1.0, first: float | None = None) -> float:
-    """Tokens a round asking K commits: 1 + its K tokens' worth (first: alpha's by default)."""
+    """Tokens a round asking K of a chain commits: 1 + its K tokens' worth (first: alpha's by default)."""
     return 1.0 + Estimate(alpha, coverage, alpha if first is None else first).worth_up_to(k)
 
 
 def _initial() -> Estimate:
     """The pool's prior before any evidence, and seeded requests' prior."""
-    return Estimate(INITIAL_ACCEPTANCE, 1.0, INITIAL_ACCEPTANCE)
+    return Estimate(INITIAL_ACCEPTANCE, 1.0, INITIAL_ACCEPTANCE, INITIAL_ACCEPTANCE)
 
 
 class PolicyRequest(NamedTuple):
@@ -84,8 +98,17 @@ class PolicyRequest(NamedTuple):
     remaining: int = 1  # tokens it may still commit (1: a catch-up is charged whole to one round)
 
 
-def _rate(hits: float, trials: float, prior: float, weight: float) -> float:
-    return min((hits + weight * prior) / (trials + weight), _ALPHA_MAX)  # (<= 1: hits <= trials)
+@dataclass
+class Faded:
+    """Hits of trials (model above), each round's added after the past's fade."""
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def add(self, hits: float, trials: float, fade: float) -> None:
+        self.hits, self.trials = fade * self.hits + hits, fade * self.trials + trials
+
+    def rate(self, prior: float, weight: float, most: float = _RATE_MAX) -> float:
+        return min((self.hits + weight * prior) / (self.trials + weight), most)  # (<= 1: hits <= trials)
 
 
 class PriorWeight:
@@ -97,50 +120,35 @@ class PriorWeight:
         self.errors = [0.0] * 7  # by j: candidate PRIOR_WEIGHT * 2^j, never below the constant
         self.weight = PRIOR_WEIGHT
 
-    def score(self, own: Evidence, counts: tuple[int, ...], prior: float) -> None:
-        """A round's tokens of alpha (counts: as Evidence.add's) against the request's rate before it."""
-        hits, trials = counts[0] - counts[4], counts[1] - counts[5]
+    def score(self, own: Evidence, hits: int, trials: int, prior: float) -> None:
+        """A round's tokens of alpha against the request's rate before it."""
         fade = DECAY ** (trials / (PRIOR_WEIGHT * 2 ** (len(self.errors) - 1)))
         for j in range(len(self.errors)):
-            p = own.alpha(prior, PRIOR_WEIGHT * 2 ** j)
+            p = own.alpha.rate(prior, PRIOR_WEIGHT * 2 ** j)
             self.errors[j] = fade * self.errors[j] + hits * (1.0 - p) ** 2 + (trials - hits) * p * p
         self.weight = PRIOR_WEIGHT * 2 ** min(range(len(self.errors)), key=self.errors.__getitem__)
 
 
 @dataclass
 class Evidence:
-    """Accepted and tested, proposed and asked draft tokens, and of them the first depth's
-    (accepted, tested) where it has a rate of its own, faded; whether the last round rejected a
-    token; a probe clock (rounds at 0, the current interval)."""
+    """A request's (or a kind's) rounds, faded: each rate's hits of trials (alpha: accepted of tested
+    tokens but the first's where it has a rate of its own; side: kept of tried; coverage: proposed of
+    asked); whether the last round rejected a token; a probe clock (rounds at 0, its interval)."""
 
-    accepted: float = 0.0
-    tested: float = 0.0
-    proposed: float = 0.0
-    asked: float = 0.0
+    alpha: Faded = field(default_factory=Faded)
+    first: Faded = field(default_factory=Faded)
+    side: Faded = field(default_factory=Faded)
+    coverage: Faded = field(default_factory=Faded)
     rounds_at_zero: int = 0
     interval: int = 2
-    first_accepted: float = 0.0
-    first_tested: float = 0.0
     missed: bool = False  # the last round rejected a proposed token (a chain's next first: `first`)
 
-    def alpha(self, prior: float, weight: float) -> float:
-        """The rate of the tokens not counted in `first`."""
-        return _rate(self.accepted - self.first_accepted, self.tested - self.first_tested, prior, weight)
-
-    def first(self, prior: float, weight: float) -> float:
-        return _rate(self.first_accepted, self.first_tested, prior, weight)
-
-    def coverage(self, prior: float) -> float:
-        return (self.proposed + PRIOR_WEIGHT * prior) / (self.asked + PRIOR_WEIGHT)  # (<= 1: proposed <= asked)
-
-    def add(self, accepted: float, tested: float, proposed: float, asked: float, first_accepted: float = 0.0,
-            first_tested: float = 0.0, fade: float | None = None, coverage_fade: float | None = None) -> None:
+    def add(self, counts: tuple[float, ...], fade: float | None = None, coverage_fade: float | None = None) -> None:
+        """counts: hits and trials of alpha, first, side and coverage, in that order (fade: DECAY's)."""
         fade = DECAY if fade is None else fade
-        self.accepted, self.tested = fade * self.accepted + accepted, fade * self.tested + tested
-        self.first_accepted = fade * self.first_accepted + first_accepted
-        self.first_tested = fade * self.first_tested + first_tested
-        coverage_fade = fade if coverage_fade is None else coverage_fade
-        self.proposed, self.asked = coverage_fade * self.proposed + proposed, coverage_fade * self.asked + asked
+        for rate, hits, trials in zip((self.alpha, self.first, self.side), counts[0:6:2], counts[1:6:2]):
+            rate.add(hits, trials, fade)
+        self.coverage.add(counts[6], counts[7], fade if coverage_fade is None else coverage_fade)
 
     def probed(self, brought_back: bool) -> None:
         self.rounds_at_zero = 0
@@ -151,28 +159,29 @@ class Evidence:
 
 
 _NO_EVIDENCE = Evidence()  # (read only) a request's before its first round
+_NO_COUNTS = (0,) * 8  # a round at K = 0's (Evidence.add's)
 
 
 class _Chosen(NamedTuple):
-    """The probes choose() chose for the round about to run, for observe() to record."""
+    """What choose() chose for the round about to run beyond K: trees, and probes for observe()."""
     probes: dict[str, bool]  # req_id -> greedy, of the unseeded probes
     seeded_probes: set[str]
     follow_ups: set[str]  # the unseeded probes of the round before, drafting 1 token again
+    sides: dict[str, int]  # req_id -> its tree's side depth m (absent: a chain)
 
 
 class SpeculationPolicy:
     def __init__(self, costs: RoundCosts, reference_draft_cost: float, branches: int = 1, side_depth: int = 0):
-        """branches, side_depth: the shape of a request's token tree (scheduler.tree_branches,
-        tree_side_depth; specdec.sampling.tree.tree_size): a depth costs all its nodes, each
-        verified and drafted; 1 branch: chains."""
+        """branches, side_depth: the widest token tree a request may draft (scheduler.tree_branches,
+        tree_side_depth): a chain, or `branches` root children, the others m <= side_depth (0: K) deep."""
         self.costs, self.reference_draft_cost = costs, reference_draft_cost  # (draft / target step: seeded)
         self.branches, self.side_depth = branches, side_depth
         self._own: dict[str, Evidence] = {}
         self._pool = {True: Evidence(), False: Evidence()}  # by greedy: evidence and probe clock
         self.prior_weights = {True: PriorWeight(), False: PriorWeight()}  # by greedy
-        self._chosen = _Chosen({}, set(), set())
+        self._chosen = _Chosen({}, set(), set(), {})
         self._follow_ups: set[str] = set()  # last round's probes, to draft again in the next (the model above)
-        self._quiet: list[str] = []  # the requests of a round that settled the next ones (_still_quiet)
+        self._quiet: list[str] = []  # the requests of a round that settled the next ones (settled)
         self._probe_prices = {True: 1.0, False: 1.0}  # by greedy: the last price of a probe, in rounds
 
     # -- estimates ------------------------------------------------------------------------------
@@ -183,17 +192,14 @@ class SpeculationPolicy:
             prior = _initial() if request.seeded else self._kind_prior(request.greedy)
         own = self._own.get(request.req_id) or _NO_EVIDENCE
         rates = self._rates(own, prior, PRIOR_WEIGHT if request.seeded else self.prior_weights[request.greedy].weight)
-        return rates if self._first_apart(own) else rates._replace(first=rates.alpha)
-
-    def _first_apart(self, evidence: Evidence) -> bool:
-        """Whether the next round's first asked depth has a rate of its own (the model above)."""
-        return self.branches > 1 or evidence.missed
+        return rates if own.missed else rates._replace(first=rates.alpha)  # (the first's own rate: after a miss)
 
     @staticmethod
     def _rates(evidence: Evidence, prior: Estimate, weight: float) -> Estimate:
         """The rates of `evidence` over `prior` of `weight`; an unmeasured first is no better than alpha."""
-        alpha = evidence.alpha(prior.alpha, weight)
-        return Estimate(alpha, evidence.coverage(prior.coverage), evidence.first(min(prior.first, alpha), weight))
+        alpha = evidence.alpha.rate(prior.alpha, weight)
+        return Estimate(alpha, evidence.coverage.rate(prior.coverage, PRIOR_WEIGHT, most=1.0),
+                        evidence.first.rate(min(prior.first, alpha), weight), evidence.side.rate(prior.side, weight))
 
     def _kind_prior(self, greedy: bool) -> Estimate:
         return self._rates(self._pool[greedy], _initial(), PRIOR_WEIGHT)
@@ -209,11 +215,14 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------------
     def settled(self, req_ids: list[str]) -> bool:
-        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose()."""
-        return bool(self._quiet) and self._still_quiet(req_ids)
+        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose(). So
+        while the requests are the same (their caps only shrink), none seeded, no probe due at its last
+        price or to follow, the costs not solved since."""
+        return (bool(self._quiet) and req_ids == self._quiet and not self._follow_ups and not self.costs.solve_due()
+                and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
 
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
-        self._chosen = chosen = _Chosen({}, set(), set())
+        self._chosen = chosen = _Chosen({}, set(), set(), {})
         if self.settled([r.req_id for r in requests]):  # (never with a follow-up pending)
             return [0] * len(requests)
         follow_ups, self._follow_ups = self._follow_ups, set()
@@ -226,15 +235,15 @@ class SpeculationPolicy:
             prior = {greedy: self._kind_prior(greedy) for greedy in {r.greedy for r in free}}
             estimates = [self.estimates(r, prior[r.greedy]) for r in free]
             if self.costs.rounds_seen < 1 or not self._cannot_pay(free, estimates, len(requests), costs, sampled):
-                ks.update(self._merit(free, estimates, len(requests), costs, sampled))
+                for req_id, (k, side) in self._merit(free, estimates, len(requests), costs, sampled).items():
+                    ks[req_id], chosen.sides[req_id] = k, side
             if len(free) == len(requests) and not any(ks.values()):
                 # At K = 0 an estimate only moves towards its prior: if no token could pay at the larger of
-                # the two either (the bound, else the choice), the next rounds settle too (_still_quiet; not
-                # with seeded or capped-out requests, rules of their own; a first may be priced at alpha next).
-                ceilings = [Estimate(*map(max, e, prior[r.greedy])) for r, e in zip(free, estimates)]
-                ceilings = [e._replace(first=max(e.first, e.alpha)) for e in ceilings]
+                # the two either (the bound, else the choice), the next rounds settle too (settled; not
+                # with seeded or capped-out requests, rules of their own).
+                ceilings = [e.ceiling(prior[r.greedy]) for r, e in zip(free, estimates)]
                 if (self._cannot_pay(free, ceilings, len(requests), costs, sampled)
-                        or not any(self._merit(free, ceilings, len(requests), costs, sampled).values())):
+                        or not any(k for k, _ in self._merit(free, ceilings, len(requests), costs, sampled).values())):
                     self._quiet = [r.req_id for r in requests]
             for r in (r for r in free if r.req_id in follow_ups and not ks[r.req_id]):
                 ks[r.req_id], self._quiet = 1, []
@@ -256,91 +265,101 @@ class SpeculationPolicy:
                 if ks[r.req_id] == 0 and (self._own.get(r.req_id) or _NO_EVIDENCE).probe_due():
                     ks[r.req_id] = 1
                     chosen.seeded_probes.add(r.req_id)
+                chosen.sides[r.req_id] = side_branch_depth(ks[r.req_id], self.side_depth) * (self.branches > 1)
         return [ks[r.req_id] for r in requests]
 
+    def tree_shape(self, req_id: str) -> tuple[int, int]:
+        """(branches, side depth) of the draft choose() chose for `req_id` this round: (1, 0), a chain."""
+        side = self._chosen.sides.get(req_id, 0)
+        return (self.branches, side) if side else (1, 0)
+
     def _merit(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
-               costs: tuple[float, ...], sampled: bool) -> dict[str, int]:
-        """K of the `free` requests (their estimates) maximising expected tokens per second
-        in a round of `batch` requests (the others run plain or by their own rule: priced at K = 0;
-        `sampled`: some request samples, so a longer longest proposal adds a position to each)."""
+               costs: tuple[float, ...], sampled: bool) -> dict[str, tuple[int, int]]:
+        """(K, m) of the `free` requests (their estimates) maximising expected tokens per second in a
+        round of `batch` requests (the others priced at K = 0; `sampled`: some request samples, so a
+        longer longest proposal adds a position to each); m, a tree's side depth (0: a chain)."""
         if self.costs.rounds_seen < 1:  # nothing measured yet: draft, and measure it
-            return {r.req_id: min(r.cap, 1) for r in free}
+            return {r.req_id: (min(r.cap, 1), 0) for r in free}
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        plain = v0 + v1 * batch + overhead
-        order = sorted(((e.worth(k), i) for i, (r, e) in enumerate(zip(free, estimates))
-                        for k in range(1, r.cap + 1)), key=lambda pair: -pair[0])
-        ks, tokens, charged = [0] * len(free), float(batch), [0.0] * len(free)
+        plain, others = v0 + v1 * batch + overhead, self.branches - 1
+        order = sorted(self._items(free, estimates), key=lambda item: -item[0])
+        ks, sides, tokens, charged = [0] * len(free), [0] * len(free), float(batch), [0.0] * len(free)
         verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
-        best_rate, best = tokens / max(plain, 1e-9), list(ks)
-        for worth, i in order:
-            ks[i], tokens = ks[i] + 1, tokens + worth
-            verify += estimates[i].coverage * v1 * self._nodes(ks[i])
-            if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
-                verify, steps = verify + v2 * batch * (2 if steps == 0 else 1) * sampled, ks[i]
-            share = d3 * free[i].backlog * min(1.0, (1.0 + estimates[i].worth_up_to(ks[i])) / free[i].remaining)
-            draft_tokens, charged[i] = draft_tokens + d2 * self._nodes(ks[i]) + share - charged[i], share
+        best_rate, best = tokens / max(plain, 1e-9), (list(ks), list(sides))
+        for _, i, worth, side in order:
+            tokens += worth
+            if side:  # the tree's other children at the next side depth: b - 1 nodes, no step
+                sides[i] += 1
+                verify, draft_tokens = verify + estimates[i].coverage * v1 * others, draft_tokens + d2 * others
+            else:
+                ks[i] += 1
+                verify += estimates[i].coverage * v1
+                if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
+                    verify, steps = verify + v2 * batch * (2 if steps == 0 else 1) * sampled, ks[i]
+                share = d3 * free[i].backlog * min(1.0, (1.0 + estimates[i].worth_up_to(ks[i])) / free[i].remaining)
+                draft_tokens, charged[i] = draft_tokens + d2 + share - charged[i], share
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
-                best_rate, best = rate, list(ks)
-        return {r.req_id: k for r, k in zip(free, best)}
+                best_rate, best = rate, (list(ks), list(sides))
+        return {r.req_id: shape for r, shape in zip(free, zip(*best))}
+
+    def _items(self, free: list[PolicyRequest], estimates: list[Estimate]):
+        """(key, request, worth, side) of each token a request may ask and of a tree's other children
+        a depth (b - 1 nodes), keyed by worth a node, never above that depth's token (a sort keeps ties)."""
+        others = self.branches - 1
+        for i, (r, e) in enumerate(zip(free, estimates)):
+            sides, wide = (side_branch_depth(r.cap, self.side_depth), e.others) if others else (0, e)
+            for k in range(1, r.cap + 1):
+                yield (worth := e.worth(k)), i, worth, False
+                if k <= sides:
+                    yield min(wide.worth(k) / others, worth), i, wide.worth(k), True
 
     def _cannot_pay(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                     costs: tuple[float, ...], sampled: bool) -> bool:
-        """A bound that settles most rounds where nothing pays, cheaper than _merit: m asked tokens are
-        worth at most min(m * the best worth, all worths) and cost at least a draft call's d0 + d1 + the
-        least catch-up (+ the accept test on 2 positions a row if sampled) plus m times the least a
-        token costs; their ratio peaks at an end or at the kink."""
+        """A bound that settles most rounds where nothing pays, cheaper than _merit: m nodes are worth at
+        most min(m * the best worth a node, all worths) and cost at least a draft call (d0 + d1 + the least
+        catch-up, + the accept test on 2 positions a row if sampled) + m * the least a node costs."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        plain = v0 + v1 * batch + overhead
+        plain, others = v0 + v1 * batch + overhead, self.branches - 1
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
         for r, e in zip(free, estimates):
-            top, least_coverage, most = max(top, e.worth(1)), min(least_coverage, e.coverage), most + r.cap
-            worths += e.worth_up_to(r.cap)
-        least = (v1 * least_coverage + d2) * self._nodes(max(r.cap for r in free))  # (the fewest, deepest)
+            sides = side_branch_depth(r.cap, self.side_depth) if others else 0
+            top = max(top, e.worth(1), e.others.worth(1) / others if sides else 0.0)
+            least_coverage, most = min(least_coverage, e.coverage), most + r.cap + others * sides
+            worths += e.worth_up_to(r.cap) + (e.others.worth_up_to(sides) if sides else 0.0)
+        least = v1 * least_coverage + d2
         call = d0 + d1 + d3 * min(r.backlog / r.remaining for r in free) + 2 * v2 * batch * sampled  # (least share)
         return all((batch + min(m * top, worths)) * plain <= batch * (plain + call + m * least)
-                   for m in (1, most, max(1.0, worths / max(top, 1e-9))))
-
-    def _still_quiet(self, req_ids: list[str]) -> bool:
-        """The last choice settled this round too: the same requests (their caps only shrink),
-        none seeded, no probe due at its last price or to follow, the costs not solved since."""
-        return (req_ids == self._quiet and not self._follow_ups and not self.costs.solve_due()
-                and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
+                   for m in (1, most, max(1.0, worths / max(top, 1e-9))))  # (the ratio peaks at an end or the kink)
 
     def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...], sampled: bool) -> float:
         """What drafting 1 token for `request` adds to a round (its catch-up and one step, a verified
         token, the accept test on 2 positions a row if sampled), in plain rounds of this batch, >= 1."""
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        price = (v1 + d2) * self._nodes(1) + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
+        price = v1 + d2 + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
-        """Could drafting pay at all: at acceptance 1, does some K beat plain decoding (one request)?
+        """Could drafting pay at all: at acceptance 1, does some K of a chain beat plain decoding (one request)?
         Yes while drafting is unmeasured (draft costs fade in rounds without drafting)."""
         if self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1:
             return True
         v0, v1, _, d0, d1, d2, _, overhead = costs
         plain = v0 + v1 + overhead
-        return any((k + 1) * plain > plain + (v1 + d2) * self._size(k) + k * d1 + d0 for k in (1, 2, 4))
+        return any((k + 1) * plain > plain + (v1 + d2) * k + k * d1 + d0 for k in (1, 2, 4))
 
     def _seeded_choice(self, e: Estimate, cap: int) -> int:
-        step = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST
-        return max(range(cap + 1),
-                   key=lambda k: (expected_tokens(e.alpha, k, e.coverage, e.first) / (1.0 + self._size(k) * step), k))
-
-    def _size(self, depth: int) -> int:
-        """The draft tokens a round asking `depth` of a request verifies and drafts."""
-        return tree_size(depth, self.branches, self.side_depth)
-
-    def _nodes(self, depth: int) -> int:
-        """The draft tokens the depth-th asked token adds: 1 in a chain, every branch's node in a tree."""
-        return 1 if self.branches == 1 else self._size(depth) - self._size(depth - 1)
+        """K of a seeded request, its tree (if set) as set (its draws must not depend on the pool's)."""
+        step, tree = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST, self.branches > 1
+        first = e.first + e.others.first * tree  # (the first depth: any child kept)
+        return max(range(cap + 1), key=lambda k: (expected_tokens(e.alpha, k, e.coverage, first)
+                                                  / (1.0 + tree_size(k, self.branches, self.side_depth) * step), k))
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
         """Fold a round that ran into the estimates and the costs (`greedy`: req_id -> greedy)."""
         chosen, drafted = self._chosen, {True: False, False: False}
-        pooled = {True: [0] * 6, False: [0] * 6}  # by kind: Evidence.add's counts, as `counts` below
+        pooled = {True: [0] * 8, False: [0] * 8}  # by kind: Evidence.add's counts, as `counts` below
         priors: dict[bool, Estimate] = {}  # by kind, as the round found it (computed when needed)
         for update in report.updates:
             req_id, asked = update.req_id, update.num_speculative_tokens
@@ -351,19 +370,20 @@ class SpeculationPolicy:
             if update.finished:
                 del self._own[req_id]  # (its last round still counts for its kind)
             if not asked:  # (the common round at K = 0: only fading)
-                own.add(0, 0, 0, 0)
+                own.add(_NO_COUNTS)
                 own.rounds_at_zero, own.missed = own.rounds_at_zero + 1, False
                 continue
-            # The first rejected token was tested; tokens asked for but never proposed were not.
-            accepted, proposed = update.accepted, update.proposed
-            tested = accepted + (accepted < proposed)
-            first = self._first_apart(own)  # (the first depth counted apart)
-            counts = (accepted, tested, proposed, asked, min(accepted, 1) * first, min(proposed, 1) * first)
+            # The first rejected token was tested; tokens asked for but never proposed were not. A tree's
+            # first branch counts as the chain it is (its first child tried first), the others apart.
+            accepted, proposed, first = update.accepted * (not update.side_kept), update.proposed, own.missed
+            first_accepted, first_tested = min(accepted, 1) * first, min(proposed, 1) * first
+            counts = (accepted - first_accepted, accepted + (accepted < proposed) - first_tested, first_accepted,
+                      first_tested, update.side_kept, update.side_tried, proposed, asked)
             kind = greedy.get(req_id, True)
-            if tested > counts[5]:  # tokens of alpha: they choose the kind's prior weight
+            if counts[1]:  # tokens of alpha: they choose the kind's prior weight
                 prior = priors.get(kind) or priors.setdefault(kind, self._kind_prior(kind))
-                self.prior_weights[kind].score(own, counts, prior.alpha)
-            own.add(*counts)
+                self.prior_weights[kind].score(own, counts[0], counts[1], prior.alpha)
+            own.add(counts)
             own.missed = accepted < proposed
             pooled[kind] = [total + n for total, n in zip(pooled[kind], counts)]
             if req_id in chosen.seeded_probes:
@@ -376,10 +396,10 @@ class SpeculationPolicy:
                 drafted[kind] = True
                 own.probed(brought_back=True)
         for kind, pool in self._pool.items():
-            counts = pooled[kind]  # (accepted, tested, proposed, asked, first_accepted, first_tested)
-            if counts[3]:  # fading by DECAY per w tokens tested (by PRIOR_WEIGHT asked): a memory of ~10 w
-                pool.add(*counts, fade=DECAY ** (counts[1] / self.prior_weights[kind].weight),
-                         coverage_fade=DECAY ** (counts[3] / PRIOR_WEIGHT))
+            counts = pooled[kind]  # (as Evidence.add's)
+            if counts[7]:  # fading by DECAY per w tokens tested (by PRIOR_WEIGHT asked): a memory of ~10 w
+                pool.add(counts, fade=DECAY ** ((counts[1] + counts[3]) / self.prior_weights[kind].weight),
+                         coverage_fade=DECAY ** (counts[7] / PRIOR_WEIGHT))
             if drafted[kind]:
                 pool.probed(brought_back=True)
             elif kind in chosen.probes.values():
@@ -388,7 +408,7 @@ class SpeculationPolicy:
                 pool.rounds_at_zero += 1
         self.costs.observe(report_shape(report, greedy), report.verify_seconds, report.draft_seconds,
                            report.overhead_seconds, prefill=report.target_prefill > 0)
-        self._chosen = _Chosen({}, set(), set())
+        self._chosen = _Chosen({}, set(), set(), {})
 
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:

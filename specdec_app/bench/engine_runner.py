@@ -41,7 +41,7 @@ class _RoundTally:
         self.tested = self.accepted = self.rounds_without_draft = 0
         self.k_counts: Counter[int] = Counter()
         self.draft_steps = 0
-        self.nodes = self.passes_with_draft = 0
+        self.nodes = self.passes_with_draft = self.tree_passes = 0
         self.by_depth: list[list[int]] = []  # [accepted, tested] at depth 1, 2, ..
 
     def __call__(self, report) -> None:
@@ -59,6 +59,7 @@ class _RoundTally:
             self.tested += update.accepted + (1 if update.accepted < update.proposed else 0)
             self.nodes += update.proposed if update.tree_nodes is None else update.tree_nodes
             self.passes_with_draft += 1
+            self.tree_passes += update.tree_nodes is not None
             while len(self.by_depth) < update.proposed:
                 self.by_depth.append([0, 0])
             for depth in range(min(update.accepted + 1, update.proposed)):  # depths tested: up to the first miss
@@ -124,6 +125,7 @@ class EngineSystem:
             result.draft_steps = tally.draft_steps
             result.acceptance_by_depth = [round(a / t, 4) for a, t in tally.by_depth if t]
             result.nodes_per_pass = tally.nodes / tally.passes_with_draft if tally.passes_with_draft else None
+            result.tree_share = tally.tree_passes / tally.passes_with_draft if tally.passes_with_draft else None
             speculation_rates(result)
         result.draft_seconds = tally.draft_seconds
         result.verify_seconds = tally.verify_seconds

@@ -211,12 +211,14 @@ def format_depths(results: list[RunResult]) -> str:
         return ""
     width = max(len(r.label) for r in rows) + 2
     set_width = max([len(r.prompt_set) for r in rows] + [7]) + 2
-    lines = ["draft tokens verified per target pass, and acceptance at each depth (accepted / tested):",
-             f"  {'prompts':<{set_width}}{'system':<{width}}{'batch':>5}  {'mode':<7}{'nodes':>7}  by depth"]
+    lines = ["draft tokens verified per target pass, the share of drafts that were trees, and acceptance at"
+             " each depth (accepted / tested):",
+             f"  {'prompts':<{set_width}}{'system':<{width}}{'batch':>5}  {'mode':<7}{'nodes':>7}{'trees':>7}"
+             "  by depth"]
     for r in rows:
         depths = " ".join(f"{a:.2f}" for a in r.acceptance_by_depth or [])
         lines.append(f"  {r.prompt_set:<{set_width}}{r.label:<{width}}{r.batch:>5}  {r.mode:<7}"
-                     f"{r.nodes_per_pass:>7.2f}  {depths}")
+                     f"{r.nodes_per_pass:>7.2f}{_fmt(r.tree_share, '.0%'):>7}  {depths}")
     return "\n".join(lines)
 
 

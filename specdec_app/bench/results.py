@@ -76,6 +76,7 @@ class RunResult:
     # target pass verified on average (a chain's: its proposed tokens).
     acceptance_by_depth: list[float] | None = None
     nodes_per_pass: float | None = None
+    tree_share: float | None = None  # of the requests' passes with a draft, the share with a tree (the rest chains)
     # Where the wall time went (specdec only): draft worker, target worker, the rest (scheduler,
     # stop conditions, Python glue).
     draft_seconds: float | None = None
@@ -130,6 +131,8 @@ def pool_runs(runs: list[RunResult]) -> RunResult:
     pooled.tokens_per_s = pooled.tokens / pooled.seconds if pooled.seconds > 0 else None
     if all(r.nodes_per_pass is not None for r in runs):
         pooled.nodes_per_pass = sum(r.nodes_per_pass for r in runs) / len(runs)
+    if all(r.tree_share is not None for r in runs):
+        pooled.tree_share = sum(r.tree_share for r in runs) / len(runs)
     if all(r.acceptance_by_depth for r in runs):  # each run's rate, averaged, as deep as every run went
         depths = min(len(r.acceptance_by_depth) for r in runs)
         pooled.acceptance_by_depth = [round(sum(r.acceptance_by_depth[d] for r in runs) / len(runs), 4)

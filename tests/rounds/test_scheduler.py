@@ -294,6 +294,9 @@ class _ScriptedK:
     def settled(self, req_ids) -> bool:
         return False  # (every round follows the script)
 
+    def tree_shape(self, req_id: str) -> tuple[int, int]:
+        return 1, 0  # (chains)
+
     def observe(self, report, greedy) -> None:
         self.reports.append(report)
 

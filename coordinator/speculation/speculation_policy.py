@@ -64,8 +64,7 @@ class Estimate(NamedTuple):
         return self._replace(first=(1.0 - self.first) * self.side)
 
     def ceiling(self, prior: Estimate) -> Estimate:
-        """Each worth at its largest while the rates move towards `prior` (rounds at K = 0), where the
-        first is priced at alpha: the larger rates, a tree's other children after the least first."""
+        """Each worth at its largest while the rates move to `prior` at K = 0 (a first priced at alpha)."""
         top = Estimate(*map(max, self, prior))
         first, least = max(top.first, top.alpha), min(self.first, self.alpha, prior.alpha)
         return top._replace(first=first, side=(1.0 - least) * top.side / (1.0 - first))
@@ -238,9 +237,8 @@ class SpeculationPolicy:
                 for req_id, (k, side) in self._merit(free, estimates, len(requests), costs, sampled).items():
                     ks[req_id], chosen.sides[req_id] = k, side
             if len(free) == len(requests) and not any(ks.values()):
-                # At K = 0 an estimate only moves towards its prior: if no token could pay at the larger of
-                # the two either (the bound, else the choice), the next rounds settle too (settled; not
-                # with seeded or capped-out requests, rules of their own).
+                # At K = 0 an estimate only moves towards its prior: if nothing could pay at its ceiling either
+                # (the bound, else the choice), the next rounds settle too (not with seeded or capped-out requests).
                 ceilings = [e.ceiling(prior[r.greedy]) for r, e in zip(free, estimates)]
                 if (self._cannot_pay(free, ceilings, len(requests), costs, sampled)
                         or not any(k for k, _ in self._merit(free, ceilings, len(requests), costs, sampled).values())):
@@ -270,8 +268,7 @@ class SpeculationPolicy:
 
     def tree_shape(self, req_id: str) -> tuple[int, int]:
         """(branches, side depth) of the draft choose() chose for `req_id` this round: (1, 0), a chain."""
-        side = self._chosen.sides.get(req_id, 0)
-        return (self.branches, side) if side else (1, 0)
+        return (self.branches, side) if (side := self._chosen.sides.get(req_id, 0)) else (1, 0)
 
     def _merit(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                costs: tuple[float, ...], sampled: bool) -> dict[str, tuple[int, int]]:
@@ -344,9 +341,8 @@ class SpeculationPolicy:
         Yes while drafting is unmeasured (draft costs fade in rounds without drafting)."""
         if self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1:
             return True
-        v0, v1, _, d0, d1, d2, _, overhead = costs
-        plain = v0 + v1 + overhead
-        return any((k + 1) * plain > plain + (v1 + d2) * k + k * d1 + d0 for k in (1, 2, 4))
+        v0, _, _, d0, d1, d2, _, overhead = costs  # (k + 1 tokens for a pass, k steps, k tokens and a call)
+        return 4 * (v0 + overhead - d1 - d2) > d0  # (K = 4 where any K up to 4 does)
 
     def _seeded_choice(self, e: Estimate, cap: int) -> int:
         """K of a seeded request, its tree (if set) as set (its draws must not depend on the pool's)."""
@@ -413,8 +409,7 @@ class SpeculationPolicy:
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:
     """What a round that ran fed the target and asked of the drafter (RoundCosts' features)."""
-    fed = verified = longest = 0
-    sampling = False
+    fed = verified = longest = sampling = 0
     for u in report.updates:
         if u.error is None:
             scored = u.proposed if u.tree_nodes is None else u.tree_nodes

@@ -497,10 +497,10 @@ def test_after_a_rejection_the_next_first_token_is_priced_by_its_own_rate(monkey
 
     best_fixed = max(speed(None, k) for k in range(1, 6))
     own_rate = speed(new_policy())
-    one_rate_policy, observe = new_policy(), new_policy().observe
+    one_rate_policy = new_policy()
 
     def observe_one_rate(report, greedy):  # (a miss never gives the next first token a rate of its own)
-        observe.__func__(one_rate_policy, report, greedy)
+        SpeculationPolicy.observe(one_rate_policy, report, greedy)
         for evidence in one_rate_policy._own.values():
             evidence.missed = False
     monkeypatch.setattr(one_rate_policy, "observe", observe_one_rate)
@@ -807,8 +807,8 @@ def test_a_tree_is_drawn_where_its_other_children_pay_and_a_chain_where_they_do_
 
 def test_where_a_verified_node_is_dear_a_rarely_needed_second_child_is_not_drawn():
     """The first child kept 90% of the time: a second child adds 0.09 tokens a round for a node
-    that costs 60% of a pass; the policy of 3 branches (each as deep as the first) drafts chains,
-    where pricing each depth by all its nodes would leave it at K = 0."""
+    that costs 60% of a pass; the policy of 3 branches (each as deep as the first) drafts chains
+    (K >= 1, no other children)."""
     machine = Machine(per_token=0.6 * STEP, step=0.01 * STEP)
     policy = SpeculationPolicy(RoundCosts(max_fed=48 * 3, max_steps=5), 0.1, branches=3)
     shapes, _ = tree_rounds(policy, machine, 0.9, 0.9, 0.9)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The adaptive policy round by round: what it chose, what it expected, and what the round did.
 
-For every round of an adaptive run: the K asked of each request with the request's acceptance
-estimate and the committed tokens it expected (1 + the worth of its K tokens), the seconds the
+For every round of an adaptive run: the K asked of each request (and with --tree-branches, the
+depth of its tree's other root children: 0, a chain) with the request's acceptance estimate and
+the committed tokens it expected (1 + the worth of its K tokens and other children), the seconds the
 cost model predicted for the round that ran (its last solved fit, before the round is folded in;
 none for a round that fed a prompt, which it does not price) against the measured verify / draft
 / coordinator seconds, and the tokens committed. One JSON line per round (--out), and a summary
@@ -34,13 +35,14 @@ from specdec_app.bench.prompts import chunks, load_prompts  # noqa: E402
 def record_rounds(policy: SpeculationPolicy, rows: list[dict]) -> None:
     """Wrap this policy's choose and observe so that each round appends its row to `rows`."""
     choose, observe = policy.choose, policy.observe
-    chosen: dict[str, tuple[float, float]] = {}  # req_id -> (alpha, expected tokens), this round's
+    chosen: dict[str, tuple[float, float, int]] = {}  # req_id -> (alpha, expected tokens, side depth)
 
     def logged_choose(requests):
         ks = choose(requests)
         for request, k in zip(requests, ks):
-            estimate = policy.estimates(request)
-            chosen[request.req_id] = (estimate.alpha, 1.0 + estimate.worth_up_to(k))
+            estimate, side = policy.estimates(request), policy.tree_shape(request.req_id)[1]
+            expected = 1.0 + estimate.worth_up_to(k) + (estimate.others.worth_up_to(side) if side else 0.0)
+            chosen[request.req_id] = (estimate.alpha, expected, side)
         return ks
 
     def logged_observe(report, greedy):
@@ -51,6 +53,7 @@ def record_rounds(policy: SpeculationPolicy, rows: list[dict]) -> None:
             "round": len(rows), "requests": len(updates), "prefill": report.target_prefill > 0,
             "settled": not chosen,  # (the scheduler asked no choice: every K 0 by the last one)
             "k": [u.num_speculative_tokens for u in updates],
+            "side": [chosen[u.req_id][2] if u.req_id in chosen else 0 for u in updates],
             "alpha": [chosen[u.req_id][0] if u.req_id in chosen else None for u in updates],
             "expected": sum(chosen[u.req_id][1] if u.req_id in chosen else 1.0 for u in updates),
             "committed": report.committed_tokens, "accepted": sum(u.accepted for u in updates),
@@ -94,11 +97,14 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="prompts generated together (default 1)")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="K_max (default 5)")
+    parser.add_argument("--tree-branches", type=int, default=1, help="the widest tree the policy may draft")
+    parser.add_argument("--tree-side-depth", type=int, default=0, help="how deep its other children may grow")
     parser.add_argument("--out", default=None, metavar="FILE", help="also write a JSON line per round")
     args = parser.parse_args()
     if args.count < 1 or args.batch < 1 or args.new_tokens < 1:
         parser.error("--count, --batch and --new-tokens must be at least 1")
-    engine = LocalEngine(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens)
+    engine = LocalEngine(target=args.target, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
+                         tree_branches=args.tree_branches, tree_side_depth=args.tree_side_depth)
     prompts, _ = load_prompts(args.prompts, args.count, load_tokenizer(args.target))
     rows: list[dict] = []
     record_rounds(engine.scheduler.policy, rows)

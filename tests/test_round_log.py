@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -27,10 +29,11 @@ def test_the_summary_groups_rounds_by_their_largest_k_and_keeps_prompt_rounds_ap
                          "| 2 | no | 2 | 0 | 6.00 | 7.00 | 2.00 | 3.50 |"]
 
 
-def test_the_script_logs_every_round_of_a_run_on_the_shipped_pair(tmp_path):
+@pytest.mark.parametrize("trees", [[], ["--tree-branches", "2", "--tree-side-depth", "1"]], ids=["chains", "trees"])
+def test_the_script_logs_every_round_of_a_run_on_the_shipped_pair(tmp_path, trees):
     out = tmp_path / "rounds.jsonl"
     run = subprocess.run([sys.executable, str(ROOT / "scripts/round_log.py"), "--count", "2", "--new-tokens", "12",
-                          "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "--out", str(out), *trees], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| K | prefill | rounds |" in run.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -41,3 +44,5 @@ def test_the_script_logs_every_round_of_a_run_on_the_shipped_pair(tmp_path):
     # nor the cold one after it: round_costs); a round that fed a prompt never
     assert all((r["predicted_s"] is None) == (r["prefill"] or i < 3) for i, r in enumerate(rows))
     assert all(r["accepted"] <= r["proposed"] <= sum(r["k"]) for r in rows)
+    # a chain (side depth 0), or with trees the other children as leaves beside a drafted depth
+    assert all(side <= (min(k, 1) if trees else 0) for r in rows for k, side in zip(r["k"], r["side"]))

@@ -789,7 +789,7 @@ def tree_rounds(policy: SpeculationPolicy, machine: Machine, first: float, side:
 def test_a_tree_is_drawn_where_its_other_children_pay_and_a_chain_where_they_do_not():
     """The first child kept 40% of the time, deeper tokens 80%, and a verified node cheap: where a
     second root child is kept 90% of the times the first is rejected, the policy draws it (a leaf
-    beside the chain) and beats the chain-only policy on the same draws; where it is never kept, the
+    beside the chain) and beats the chain-only policy at the same rates; where it is never kept, the
     policy draws chains (after trying the tree) and is as fast as the chain-only policy."""
     machine = Machine(per_token=0.05 * STEP, step=0.1 * STEP)
     for side, leaves in ((0.9, True), (0.0, False)):
@@ -822,6 +822,33 @@ def test_seeded_requests_price_a_trees_nodes_too():
     cheap = new_policy(0.01, branches=2)
     k = cheap.choose([ask])[0]
     assert k > 0 and cheap.tree_shape("s") == (2, k)  # (a seeded request's tree: as set, side depth 0: K)
+
+
+def test_a_sampled_trees_other_children_take_accept_test_positions_on_every_row():
+    """A tree's other children lengthen the longest proposal like tokens do: where the accept test
+    prices each position of a sampled row at 10% of a pass, two leaves worth 0.2 tokens (first 0.6,
+    side 0.5) cost 0.2 passes and the policy drafts the chain; for a greedy batch (no accept test)
+    they cost nothing and it drafts the tree."""
+    policy = SpeculationPolicy(RoundCosts(max_fed=64, max_steps=8), 0.1, branches=3, side_depth=1)
+    request, estimate = PolicyRequest("r", 3, False, False), policy_module.Estimate(0.9, 1.0, 0.6, 0.5)
+    policy.costs.observe(RoundShape(2, 0, 1, 1, 0), STEP, 0.1 * STEP, 0.0, prefill=False)
+    costs = (STEP, 0.0, 0.1 * STEP, 0.0, 0.02 * STEP, 0.0, 0.0, 0.0)  # (v0, v1, v2, d0, d1, d2, d3, overhead)
+    assert [policy._merit([request], [estimate], 1, costs, sampled)["r"] for sampled in (False, True)] == [
+        (3, 1), (3, 0)]
+
+
+@pytest.mark.parametrize("draft_cost", [0.05, 0.1, 0.3])
+def test_a_seeded_requests_leaves_are_worth_one_depth_only(draft_cost):
+    """A seeded request of a tree whose other children are leaves (side depth 1), on the constant
+    priors (every rate 0.6): its K maximises 1 + first (1 + a + .. a^(K-1)) + (1 - first) side (the
+    leaves: one depth) over 1 + nodes x (c + the reference verify cost); crediting the leaves'
+    branch as deep as the first (any child kept, then alpha to depth K) asks one more token here."""
+    a, step = policy_module.INITIAL_ACCEPTANCE, draft_cost + policy_module.REFERENCE_VERIFY_TOKEN_COST
+    best = max(range(6), key=lambda k: ((1 + a * (1 - a ** k) / (1 - a) + (1 - a) * a * (k > 0))
+                                         / (1 + (k + (k > 0)) * step), k))
+    policy = SpeculationPolicy(RoundCosts(max_fed=48, max_steps=5), draft_cost, branches=2, side_depth=1)
+    assert policy.choose([PolicyRequest("s", 5, greedy=False, seeded=True)]) == [best]
+    assert policy.tree_shape("s") == (2, 1)
 
 
 def test_the_k0_overhead_script_counts_only_rounds_where_nothing_was_drafted(tmp_path_factory):

@@ -214,9 +214,8 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------------
     def settled(self, req_ids: list[str]) -> bool:
-        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose(). So
-        while the requests are the same (their caps only shrink), none seeded, no probe due at its last
-        price or to follow, the costs not solved since."""
+        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose(). So while
+        the same requests (caps only shrink), none seeded, no probe due or to follow, the costs not solved."""
         return (bool(self._quiet) and req_ids == self._quiet and not self._follow_ups and not self.costs.solve_due()
                 and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
 
@@ -272,29 +271,30 @@ class SpeculationPolicy:
 
     def _merit(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                costs: tuple[float, ...], sampled: bool) -> dict[str, tuple[int, int]]:
-        """(K, m) of the `free` requests (their estimates) maximising expected tokens per second in a
-        round of `batch` requests (the others priced at K = 0; `sampled`: some request samples, so a
-        longer longest proposal adds a position to each); m, a tree's side depth (0: a chain)."""
+        """(K, m) of the `free` requests (their estimates): the best prefix in expected tokens per second
+        of a round of `batch` requests (the others priced at K = 0; `sampled`: some request samples, so a
+        longer longest proposal adds positions to each); m, a tree's side depth (0: a chain)."""
         if self.costs.rounds_seen < 1:  # nothing measured yet: draft, and measure it
             return {r.req_id: (min(r.cap, 1), 0) for r in free}
         v0, v1, v2, d0, d1, d2, d3, overhead = costs
         plain, others = v0 + v1 * batch + overhead, self.branches - 1
         order = sorted(self._items(free, estimates), key=lambda item: -item[0])
-        ks, sides, tokens, charged = [0] * len(free), [0] * len(free), float(batch), [0.0] * len(free)
-        verify, steps, draft_tokens = plain, 0, d0  # the round's seconds: plain, steps, the rest of a draft call
+        ks, sides, nodes, charged = [0] * len(free), [0] * len(free), [0] * len(free), [0.0] * len(free)
+        # The round's seconds: plain, the rest of a draft call, steps (the largest K), the longest proposal.
+        tokens, verify, draft_tokens, steps, longest = float(batch), plain, d0, 0, 0
         best_rate, best = tokens / max(plain, 1e-9), (list(ks), list(sides))
         for _, i, worth, side in order:
-            tokens += worth
-            if side:  # the tree's other children at the next side depth: b - 1 nodes, no step
+            added = others if side else 1  # nodes: the tree's other children at the next side depth, or a token
+            tokens, nodes[i] = tokens + worth, nodes[i] + added
+            verify, draft_tokens = verify + estimates[i].coverage * v1 * added, draft_tokens + d2 * added
+            if nodes[i] > longest:  # a longer longest proposal: positions more on each row of a sampled batch
+                verify, longest = verify + v2 * batch * (nodes[i] - longest + (longest == 0)) * sampled, nodes[i]
+            if side:
                 sides[i] += 1
-                verify, draft_tokens = verify + estimates[i].coverage * v1 * others, draft_tokens + d2 * others
             else:
-                ks[i] += 1
-                verify += estimates[i].coverage * v1
-                if ks[i] > steps:  # a longer longest proposal: a position more on each row of a sampled batch
-                    verify, steps = verify + v2 * batch * (2 if steps == 0 else 1) * sampled, ks[i]
+                ks[i], steps = ks[i] + 1, max(steps, ks[i] + 1)
                 share = d3 * free[i].backlog * min(1.0, (1.0 + estimates[i].worth_up_to(ks[i])) / free[i].remaining)
-                draft_tokens, charged[i] = draft_tokens + d2 + share - charged[i], share
+                draft_tokens, charged[i] = draft_tokens + share - charged[i], share
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
                 best_rate, best = rate, (list(ks), list(sides))
@@ -347,9 +347,8 @@ class SpeculationPolicy:
     def _seeded_choice(self, e: Estimate, cap: int) -> int:
         """K of a seeded request, its tree (if set) as set (its draws must not depend on the pool's)."""
         step, tree = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST, self.branches > 1
-        first = e.first + e.others.first * tree  # (the first depth: any child kept)
-        return max(range(cap + 1), key=lambda k: (expected_tokens(e.alpha, k, e.coverage, first)
-                                                  / (1.0 + tree_size(k, self.branches, self.side_depth) * step), k))
+        return max(range(cap + 1), key=lambda k: ((1.0 + e.worth_up_to(k) + tree * e.others.worth_up_to(
+            side_branch_depth(k, self.side_depth))) / (1.0 + tree_size(k, self.branches, self.side_depth) * step), k))
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:

@@ -16,7 +16,6 @@ from coordinator.speculation.speculation_policy import (
     MAX_PROBE_INTERVAL,
     PolicyRequest,
     SpeculationPolicy,
-    expected_tokens,
     report_shape,
 )
 from specdec.sampling.tree import tree_size
@@ -95,7 +94,8 @@ def new_policy(reference_draft_cost: float = 0.1, branches: int = 1) -> Speculat
 
 
 def test_expected_tokens_formula():
-    assert [expected_tokens(a, 3) for a in (0.0, 0.5, 0.9)] == pytest.approx([1.0, 1.875, 3.439])
+    assert [1 + policy_module.Estimate(a, 1.0, a).worth_up_to(3) for a in (0.0, 0.5, 0.9)] == pytest.approx(
+        [1.0, 1.875, 3.439])
 
 
 # --- the cost model ------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def requests_one_after_another(policy: SpeculationPolicy, rates: list[float], gr
         ask, rate = asks[req_id]
         e = policy.estimates(ask)
         kept = by_rate[rate](req_id, k)
-        rows.append((k, expected_tokens(e.alpha, k, e.coverage, e.first), 1 + kept))
+        rows.append((k, 1 + e.worth_up_to(k), 1 + kept))  # (tokens expected: 1 + its K tokens' worth)
         return kept
     for ask, _ in asks.values():
         for _ in range(rounds):

@@ -78,11 +78,6 @@ class Estimate(NamedTuple):
         return self.coverage * self.first * (1.0 - self.alpha ** k) / (1.0 - self.alpha)
 
 
-def expected_tokens(alpha: float, k: int, coverage: float = 1.0, first: float | None = None) -> float:
-    """Tokens a round asking K of a chain commits: 1 + its K tokens' worth (first: alpha's by default)."""
-    return 1.0 + Estimate(alpha, coverage, alpha if first is None else first).worth_up_to(k)
-
-
 def _initial() -> Estimate:
     """The pool's prior before any evidence, and seeded requests' prior."""
     return Estimate(INITIAL_ACCEPTANCE, 1.0, INITIAL_ACCEPTANCE, INITIAL_ACCEPTANCE)
@@ -309,7 +304,7 @@ class SpeculationPolicy:
             for k in range(1, r.cap + 1):
                 yield (worth := e.worth(k)), i, worth, False
                 if k <= sides:
-                    yield min(wide.worth(k) / others, worth), i, wide.worth(k), True
+                    yield min((side := wide.worth(k)) / others, worth), i, side, True
 
     def _cannot_pay(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                     costs: tuple[float, ...], sampled: bool) -> bool:

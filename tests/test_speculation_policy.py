@@ -215,6 +215,70 @@ def test_a_draft_call_measured_at_one_k_is_priced_by_its_steps():
     assert draft_price_of_k1(control) == pytest.approx(1.5 * STEP, rel=0.01)
 
 
+def test_a_sampled_round_at_batch_1_is_priced_by_what_it_measured_after_two_slow_plain_rounds(monkeypatch):
+    """At batch 1 a sampled round's tokens and accept-test positions are one number (K + 1) but at
+    K = 0 (no positions), so two K = 0 rounds that ran slow (cold caches) split one slope into a
+    large one and one below 0. Held at 0 in the solve, the other takes the slope and a K = 2 round is
+    priced right; clipped after the solve (the control: the fit before), it was priced at ~1.9x and
+    the policy drafted K = 2 where K = 5 paid (the shipped pair at T = 0.8, predicted 4.2 ms against
+    2.3 ms measured for ~100 rounds)."""
+    import numpy as np
+
+    def k2_price_over_its_cost() -> float:
+        rng, costs = random.Random(0), RoundCosts(max_fed=6, max_steps=5)
+
+        def verify(s: RoundShape) -> float:
+            return STEP + 0.06 * STEP * s.fed + 0.04 * STEP * s.sampled
+        for i in range(60):
+            k = 0 if i in (20, 45) else rng.choice((1, 2, 3, 5))
+            s = RoundShape(k + 1, k + 1 if k else 0, k, k, 0)
+            slow = 1.4 if not k else rng.uniform(0.97, 1.03)
+            costs.observe(s, slow * verify(s), 0.3 * STEP * k, 0.0, prefill=False)
+        k2 = RoundShape(3, 3, 2, 2, 0)
+        assert min(costs.coefficients()) >= 0.0
+        return (costs.round_seconds(k2) - 0.6 * STEP) / verify(k2)  # (its draft call: 0.6 STEP, fitted exactly)
+
+    assert k2_price_over_its_cost() == pytest.approx(1.0, abs=0.05)
+
+    def clipped_after_the_solve(gram, moment, ridge, free):
+        ridged = np.array(gram) + ridge * np.diag([float(i != free) for i in range(len(moment))])
+        return [max(t, 0.0) for t in np.linalg.solve(ridged, np.array(moment))]
+    monkeypatch.setattr(round_costs_module, "_solve", clipped_after_the_solve)
+    assert k2_price_over_its_cost() > 1.5
+
+
+def test_the_solve_never_prices_a_term_below_0_and_is_least_squares_where_none_would_be():
+    """Random fits (some with two features equal, as a sampled round's at batch 1): every term is
+    >= 0, the squares are within 3% of the best that holds some terms at 0 (every subset tried),
+    and where least squares (features apart) has no term below 0 the solve is least squares."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        n, rows = int(rng.integers(2, 5)), int(rng.integers(3, 30))
+        x = np.abs(rng.normal(size=(rows, n)))
+        x[:, 0] = 1.0
+        if collinear := rng.random() < 0.5:
+            x[:, n - 1] = x[:, n - 2]
+        y = x @ rng.normal(size=n) + 0.3 * rng.normal(size=rows)
+        free = int(rng.integers(0, n))
+        gram = x.T @ x + 1e-6 * np.diag([float(i != free) for i in range(n)])
+        moment = x.T @ y
+        theta = np.array(round_costs_module._solve((x.T @ x).tolist(), moment.tolist(), 1e-6, free))
+        assert (theta >= 0.0).all()
+        best = np.inf  # (the squares less y.y, halved: t.gram.t / 2 - moment.t)
+        for held in itertools.product((False, True), repeat=n):
+            kept, t = [i for i in range(n) if not held[i]], np.zeros(n)
+            t[kept] = np.linalg.solve(gram[np.ix_(kept, kept)], moment[kept]) if kept else []
+            best = min(best, 0.5 * t @ gram @ t - moment @ t) if (t >= 0.0).all() else best
+        assert 0.5 * theta @ gram @ theta - moment @ theta <= best + 0.03 * abs(best)
+        unconstrained = np.linalg.solve(gram, moment)
+        if (unconstrained >= 0.0).all() and not collinear:  # (else the ridge alone splits a slope)
+            assert theta == pytest.approx(unconstrained, rel=1e-6, abs=1e-9)
+
+
 # --- the choice ----------------------------------------------------------------------------------
 
 def test_a_fresh_policy_drafts_and_well_accepted_drafts_on_a_cheap_drafter_take_the_cap():

@@ -7,17 +7,17 @@ distributions at P = B (longest draft + 1) positions, else P = 0; the drafter, w
 prompt, rounds at K = 0); the coordinator's own time is the rest of the round.
 
 Model: verify seconds = v0 + v1 T + v2 P; draft seconds = d0 + d1 S + d2 D + d3 C (0 when not
-called); overhead seconds = o. Each is a least-squares fit over past rounds, a round's weight
-fading by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load, context
-growth) within tens of rounds; a round counts at most twice what the fit predicted for it (on a
-shared CPU one round in fifty stalls for 10-100x its time: unclipped, such spikes set the slopes).
-Terms the rounds seen so far cannot tell apart (every round alike) are pulled towards 0 but one
-per fit, which takes their cost: the pass's (v0) and the draft step's (d1). That is the optimistic
-guess: more verified tokens look free and a shorter K cheaper, so the policy tries and measures
-them (were a draft call's constant to take the cost, a K shorter than the one measured would be
-priced as dear and never tried). A round that fed the target a prompt is left out of the verify
-fit, and so is the next: it runs cold (a 10-30 ms pause made a pass 1.7-2.4x slower; counted, it
-priced a verified token at 5x after a spell at K = 0).
+called); overhead seconds = o. Each is a least-squares fit over past rounds with no term below 0
+(noise, never a saving), a round's weight fading by 1 - 1 / COST_MEMORY per later round, so the
+costs follow the machine (load, context growth) within tens of rounds; a round counts at most twice
+what the fit predicted for it (on a shared CPU one round in fifty stalls for 10-100x its time:
+unclipped, such spikes set the slopes). Terms the rounds seen so far cannot tell apart (every round
+alike) are pulled towards 0 but one per fit, which takes their cost: the pass's (v0) and the draft
+step's (d1). That is the optimistic guess: more verified tokens look free and a shorter K cheaper,
+so the policy tries and measures them (were a draft call's constant to take the cost, a K shorter
+than the one measured would be priced as dear and never tried). A round that fed the target a
+prompt is left out of the verify fit, and so is the next: it runs cold (a 10-30 ms pause made a
+pass 1.7-2.4x slower; counted, it priced a verified token at 5x after a spell at K = 0).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class RoundShape(NamedTuple):
 
 
 class FadingLeastSquares:
-    """theta minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |theta|^2 but
+    """theta >= 0 minimising sum over rounds r of fade^(age r) (y_r - x_r . theta)^2 + ridge |theta|^2 but
     theta[free] (never pulled), on features x (the first the constant 1) divided by `scales` (so one
     ridge suits all). Consecutive rounds of the same features (a steady batch at K = 0) gather as one
     weighted round till they change or theta is read; theta is solved when read after each of the
@@ -66,13 +66,13 @@ class FadingLeastSquares:
         return bool(self._unsolved) and (self._unsolved >= _SOLVE_EVERY or self._added <= _SOLVE_EVERY)
 
     def per_unit(self, solve: bool = True) -> list[float]:
-        """theta in seconds per unit of each (unscaled) feature, below 0 as 0 (a measured slope below 0 is
+        """theta in seconds per unit of each (unscaled) feature, none below 0 (a measured slope below 0 is
         noise, never a saving); solve=False: as last solved."""
         if solve and self.solve_due():
             self._unsolved = 0
             self._flush()
             self._theta = _solve(self.gram, self.moment, _RIDGE, self.free)
-            self._per_unit = [max(t, 0.0) / s for t, s in zip(self._theta, self.scales)]
+            self._per_unit = [t / s for t, s in zip(self._theta, self.scales)]
             self._fitted = True
             self._set_cap()
         return self._per_unit
@@ -116,20 +116,26 @@ class FadingLeastSquares:
 
 
 def _solve(gram: list[list[float]], moment: list[float], ridge: float, free: int) -> list[float]:
-    """(gram + ridge on the diagonal but its entry `free`) x = moment by Gauss-Jordan elimination (numpy's
-    calls ran cold at ~0.5 ms a solve); an unknown without data (a zero pivot) is 0."""
-    n = len(moment)
-    m = [row[:i] + [row[i] + (ridge if i != free else 0.0)] + row[i + 1:] + [b]
-         for i, (row, b) in enumerate(zip(gram, moment))]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        if abs(m[col][col]) >= 1e-12:
-            m[col] = [v / m[col][col] for v in m[col]]
-            for r in (r for r in range(n) if r != col and m[r][col]):
-                f = m[r][col]
-                m[r] = [v - f * w for v, w in zip(m[r], m[col])]
-    return [m[i][n] if abs(m[i][i]) >= 1e-12 else 0.0 for i in range(n)]
+    """(gram + ridge on the diagonal but its entry `free`) x = moment by Gauss-Jordan (numpy ran cold at ~0.5 ms
+    a solve), x >= 0: the most negative term is held at 0 and the rest solved again till none is below 0 (one
+    clipped after the solve left the term it traded against too large); no data (a zero pivot): 0."""
+    n, held = len(moment), set()
+    while True:
+        m = [[float(i == j) for j in range(n + 1)] if i in held  # (held: x_i = 0)
+             else row[:i] + [row[i] + (ridge if i != free else 0.0)] + row[i + 1:] + [b]
+             for i, (row, b) in enumerate(zip(gram, moment))]
+        for col in range(n):
+            pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+            m[col], m[pivot] = m[pivot], m[col]
+            if abs(m[col][col]) >= 1e-12:
+                m[col] = [v / m[col][col] for v in m[col]]
+                for r, f in [(r, row[col]) for r, row in enumerate(m) if r != col and row[col]]:
+                    m[r] = [v - f * w for v, w in zip(m[r], m[col])]
+        theta = [0.0 if i in held or abs(m[i][i]) < 1e-12 else m[i][n] for i in range(n)]  # (held: exactly 0)
+        least = min(range(n), key=theta.__getitem__)
+        if not theta[least] < 0.0:
+            return theta
+        held.add(least)
 
 
 class RoundCosts:

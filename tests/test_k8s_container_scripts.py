@@ -195,6 +195,29 @@ def test_head_stop_handler_leaves_the_restart_wait_alone_and_reaches_a_serve_sta
     assert result.stdout.splitlines() == ["restart wait kept", f"serve status {128 + signal.SIGTERM}"], (
         result.stdout, result.stderr)
 
+
+@needs_bash
+def test_head_wait_loop_leaves_when_the_serve_exits_right_after_its_liveness_test():
+    """The serve may exit, and bash reap it, between the loop's `kill -0` and the wait that
+    follows (a SIGTERM's trap runs there too, and kills it). Run the loop exactly there (`kill -0`
+    answers once that the exited serve is alive): it must leave within a poll, not wait for Ray
+    (`wait -n "$serve_pid" "$ray_pid"`, the loop before, no longer knew the serve as a job and
+    waited for Ray alone; 2 of 25 runs of the head script's test under load hung so)."""
+    script = script_of(ray_container(base_groups()["head"]))
+    lines = script[script.index('while kill -0 "$serve_pid"'):].splitlines()
+    wait_loop = "\n".join(lines[:next(i for i, x in enumerate(lines) if x.strip() == "done") + 1])
+    harness = ("sleep 0 & serve_pid=$!; wait $serve_pid        # a serve that has exited, reaped\n"
+               "sleep 30 & ray_pid=$!\n"
+               "alive_once=1\n"
+               'kill() { if [ "$1 $2" = "-0 $serve_pid" ] && [ -n "$alive_once" ]; then alive_once=""; return 0; fi\n'
+               '         command kill "$@"; }\n'
+               f"{wait_loop}\n"
+               'echo "loop left"; command kill $ray_pid\n')
+    # Ray's stub lives 30 s: a loop that waits for it runs past the timeout (TimeoutExpired).
+    result = subprocess.run(["bash", "-c", harness], capture_output=True, text=True, timeout=20,
+                            start_new_session=True)
+    assert result.stdout.splitlines() == ["loop left"], (result.stdout, result.stderr)
+
 # --- the init container that fills the model volume -------------------------------------------
 
 FAKE_HUB = """

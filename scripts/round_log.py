@@ -41,8 +41,7 @@ def record_rounds(policy: SpeculationPolicy, rows: list[dict]) -> None:
         ks = choose(requests)
         for request, k in zip(requests, ks):
             estimate, side = policy.estimates(request), policy.tree_shape(request.req_id)[1]
-            expected = 1.0 + estimate.worth_up_to(k) + (estimate.others.worth_up_to(side) if side else 0.0)
-            chosen[request.req_id] = (estimate.alpha, expected, side)
+            chosen[request.req_id] = (estimate.alpha, estimate.expected_tokens(k, side), side)
         return ks
 
     def logged_observe(report, greedy):

@@ -94,7 +94,7 @@ def new_policy(reference_draft_cost: float = 0.1, branches: int = 1) -> Speculat
 
 
 def test_expected_tokens_formula():
-    assert [1 + policy_module.Estimate(a, 1.0, a).worth_up_to(3) for a in (0.0, 0.5, 0.9)] == pytest.approx(
+    assert [policy_module.Estimate(a, 1.0, a).expected_tokens(3) for a in (0.0, 0.5, 0.9)] == pytest.approx(
         [1.0, 1.875, 3.439])
 
 
@@ -448,7 +448,7 @@ def requests_one_after_another(policy: SpeculationPolicy, rates: list[float], gr
         ask, rate = asks[req_id]
         e = policy.estimates(ask)
         kept = by_rate[rate](req_id, k)
-        rows.append((k, 1 + e.worth_up_to(k), 1 + kept))  # (tokens expected: 1 + its K tokens' worth)
+        rows.append((k, e.expected_tokens(k), 1 + kept))
         return kept
     for ask, _ in asks.values():
         for _ in range(rounds):

@@ -53,7 +53,6 @@ class FadingLeastSquares:
         self.gram, self.moment = [[0.0] * size for _ in range(size)], [0.0] * size
         self.rounds = 0.0  # the faded count of rounds seen
         self._theta, self._per_unit = [0.0] * size, [0.0] * size
-        self._fitted = False  # _theta comes from rounds (not the zeros it starts as)
         # Rounds added since _theta was solved, and in all; rounds without an observation since the last.
         self._unsolved, self._added, self._idle = 0, 0, 0
         # The run of rounds with the same features not yet in gram and moment: their features
@@ -73,7 +72,6 @@ class FadingLeastSquares:
             self._flush()
             self._theta = _solve(self.gram, self.moment, _RIDGE, self.free)
             self._per_unit = [t / s for t, s in zip(self._theta, self.scales)]
-            self._fitted = True
             self._set_cap()
         return self._per_unit
 
@@ -104,7 +102,7 @@ class FadingLeastSquares:
         self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
 
     def _set_cap(self) -> None:
-        if self._fitted and self._run_x:
+        if self._added > self._unsolved and self._run_x:  # (_theta from a solve, not the zeros it starts as)
             self._run_cap = 2.0 * max(sum(t * v for t, v in zip(self._theta, self._run_x)), 1e-6)
 
     def fade_out(self) -> None:

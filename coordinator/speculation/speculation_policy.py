@@ -77,6 +77,10 @@ class Estimate(NamedTuple):
         """Committed tokens the first k asked tokens add: coverage first (1 + ... + alpha^(k-1))."""
         return self.coverage * self.first * (1.0 - self.alpha ** k) / (1.0 - self.alpha)
 
+    def expected_tokens(self, k: int, side: int = 0) -> float:
+        """Tokens a round commits drafting k tokens (and a tree's other children `side` depths deep)."""
+        return 1.0 + self.worth_up_to(k) + (self.others.worth_up_to(side) if side else 0.0)
+
 
 def _initial() -> Estimate:
     """The pool's prior before any evidence, and seeded requests' prior."""
@@ -288,7 +292,7 @@ class SpeculationPolicy:
                 sides[i] += 1
             else:
                 ks[i], steps = ks[i] + 1, max(steps, ks[i] + 1)
-                share = d3 * free[i].backlog * min(1.0, (1.0 + estimates[i].worth_up_to(ks[i])) / free[i].remaining)
+                share = d3 * free[i].backlog * min(1.0, estimates[i].expected_tokens(ks[i]) / free[i].remaining)
                 draft_tokens, charged[i] = draft_tokens + share - charged[i], share
             rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
             if rate > best_rate:
@@ -334,16 +338,14 @@ class SpeculationPolicy:
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
         """Could drafting pay at all: at acceptance 1, does some K of a chain beat plain decoding (one request)?
         Yes while drafting is unmeasured (draft costs fade in rounds without drafting)."""
-        if self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1:
-            return True
-        v0, _, _, d0, d1, d2, _, overhead = costs  # (k + 1 tokens for a pass, k steps, k tokens and a call)
-        return 4 * (v0 + overhead - d1 - d2) > d0  # (K = 4 where any K up to 4 does)
+        v0, _, _, d0, d1, d2, _, overhead = costs  # (K = 4 where any K up to 4 does: K + 1 tokens, K steps, a call)
+        return self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1 or 4 * (v0 + overhead - d1 - d2) > d0
 
     def _seeded_choice(self, e: Estimate, cap: int) -> int:
         """K of a seeded request, its tree (if set) as set (its draws must not depend on the pool's)."""
         step, tree = self.reference_draft_cost + REFERENCE_VERIFY_TOKEN_COST, self.branches > 1
-        return max(range(cap + 1), key=lambda k: ((1.0 + e.worth_up_to(k) + tree * e.others.worth_up_to(
-            side_branch_depth(k, self.side_depth))) / (1.0 + tree_size(k, self.branches, self.side_depth) * step), k))
+        return max(range(cap + 1), key=lambda k: (e.expected_tokens(k, side_branch_depth(k, self.side_depth) * tree)
+                                                  / (1.0 + tree_size(k, self.branches, self.side_depth) * step), k))
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:

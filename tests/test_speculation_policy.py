@@ -23,13 +23,23 @@ from specdec.sampling.tree import tree_size
 STEP = 1e-3  # a plain target pass at batch 1, seconds
 
 
+@pytest.fixture(autouse=True)
+def pretend_time_only(monkeypatch):
+    """The policy counts its own observe() as the round's coordinator time; on the pretend machine
+    that real time would be noise set by this machine's speed."""
+    monkeypatch.setattr(policy_module, "perf_counter", lambda: 0.0)
+
+
 class Machine:
     """What rounds cost on a pretend machine: a pass streams the weights (STEP) plus `per_token`
     per token fed (x `slow`); a draft call `call` + `step` per draft step + `token` per token
-    caught up on."""
+    caught up on; the coordinator's own time `coordinator`, `coordinator_drafting` more on a round
+    that calls the drafter."""
 
-    def __init__(self, per_token=0.05 * STEP, step=0.1 * STEP, call=0.02 * STEP, token=0.01 * STEP, slow=1.0):
+    def __init__(self, per_token=0.05 * STEP, step=0.1 * STEP, call=0.02 * STEP, token=0.01 * STEP, slow=1.0,
+                 coordinator=0.0, coordinator_drafting=0.0):
         self.per_token, self.step, self.call, self.token, self.slow = per_token, step, call, token, slow
+        self.coordinator, self.coordinator_drafting = coordinator, coordinator_drafting
 
     def verify(self, shape: RoundShape) -> float:
         return self.slow * (STEP + self.per_token * shape.fed)
@@ -38,6 +48,9 @@ class Machine:
         if not shape.steps and not shape.catch_up:
             return 0.0
         return self.slow * (self.call + self.step * shape.steps + self.token * shape.catch_up)
+
+    def overhead(self, shape: RoundShape) -> float:
+        return self.slow * (self.coordinator + self.coordinator_drafting * bool(shape.steps or shape.catch_up))
 
 
 def run_round(policy: SpeculationPolicy, machine: Machine, requests: list[PolicyRequest], accepts,
@@ -62,7 +75,7 @@ def run_round(policy: SpeculationPolicy, machine: Machine, requests: list[Policy
     report = RoundReport(updates=updates, ran=True, verify_seconds=machine.verify(shape),
                          draft_seconds=machine.draft(shape), draft_steps=shape.steps,
                          draft_proposed=shape.proposed, draft_catch_up=shape.catch_up)
-    report.total_seconds = report.verify_seconds + report.draft_seconds
+    report.total_seconds = report.verify_seconds + report.draft_seconds + machine.overhead(shape)
     policy.observe(report, {r.req_id: r.greedy for r in requests})
     return ks
 
@@ -620,6 +633,35 @@ def test_drafts_that_are_never_kept_are_not_chosen_at_batch_8():
     share, ks = probing_share(Machine(), backlog=2, rounds=1000, batch=8)
     assert all(k <= 1 for k in ks[50:]) and sum(ks[300:]) > 0
     assert share <= 1.5 / MAX_PROBE_INTERVAL
+
+
+def test_a_drafting_rounds_own_coordinator_time_is_priced_and_batch_4_stays_plain_where_it_loses(monkeypatch):
+    """A round that drafts costs the coordinator more (proposals, accept results, estimates to
+    handle: measured 0.1-0.15 ms at batch 4, 8% of a plain round there). Priced as one constant
+    over all rounds (the control: the fit's drafting term never measured), a batch of four that
+    mostly sits at K = 0 prices that extra at its mean and drafts on where each drafting round
+    loses; priced per drafting round, it drafts no more than its probes."""
+    def drafting_share(machine: Machine) -> float:
+        policy, batch, ks, accepts = new_policy(), [greedy(name) for name in "abcd"], [], each_token_accepted(0.6)
+        for _ in range(400):
+            ks.append(run_round(policy, machine, batch, accepts))
+        return sum(any(k) for k in ks[100:]) / 300
+
+    machine = Machine(per_token=0.1 * STEP, coordinator=0.1 * STEP, coordinator_drafting=0.6 * STEP)
+    assert drafting_share(machine) < 0.1
+    add = round_costs_module.FadingLeastSquares.add
+    monkeypatch.setattr(round_costs_module.FadingLeastSquares, "add",  # (the overhead fit's 2 features: 1, called)
+                        lambda self, x, y: add(self, (x[0], 0.0) if len(x) == 2 else x, y))
+    assert drafting_share(machine) > 0.5
+
+
+def test_the_policys_own_observe_counts_as_the_rounds_coordinator_time(monkeypatch):
+    """observe() runs after the round's clock stopped; it is the coordinator's work all the same
+    (more of it after a drafting round): its time is added to the round's."""
+    policy, clock = new_policy(), iter([1.0, 1.0 + 0.3 * STEP])
+    monkeypatch.setattr(policy_module, "perf_counter", lambda: next(clock))
+    run_round(policy, Machine(coordinator=0.1 * STEP), [greedy("a", cap=0)], all_accepted)
+    assert policy.costs.coefficients()[7] == pytest.approx(0.4 * STEP)
 
 
 def test_a_sampled_round_is_priced_by_the_accept_test_on_every_row_padded_to_the_longest():

@@ -4,20 +4,22 @@ Terms, per round (RoundReport): the target is fed T tokens (each verified reques
 nodes + 1); where a request samples and something was proposed, the accept test takes
 distributions at P = B (longest draft + 1) positions, else P = 0; the drafter, when called, runs S
 = max K steps drafting D nodes after catching up on C committed tokens it had not seen (a new
-prompt, rounds at K = 0); the coordinator's own time is the rest of the round.
+prompt, rounds at K = 0); the coordinator's own time is the rest, with the policy's observe.
 
 Model: verify seconds = v0 + v1 T + v2 P; draft seconds = d0 + d1 S + d2 D + d3 C (0 when not
-called); overhead seconds = o. Each is a least-squares fit over past rounds with no term below 0
-(noise, never a saving), a round's weight fading by 1 - 1 / COST_MEMORY per later round, so the
-costs follow the machine (load, context growth) within tens of rounds; a round counts at most twice
-what the fit predicted for it (on a shared CPU one round in fifty stalls for 10-100x its time:
-unclipped, such spikes set the slopes). Terms the rounds seen so far cannot tell apart (every round
-alike) are pulled towards 0 but one per fit, which takes their cost: the pass's (v0) and the draft
-step's (d1). That is the optimistic guess: more verified tokens look free and a shorter K cheaper,
-so the policy tries and measures them (were a draft call's constant to take the cost, a K shorter
-than the one measured would be priced as dear and never tried). A round that fed the target a
-prompt is left out of the verify fit, and so is the next: it runs cold (a 10-30 ms pause made a
-pass 1.7-2.4x slower; counted, it priced a verified token at 5x after a spell at K = 0).
+called); coordinator seconds = o0 + o1 if the drafter is called (proposals, accept results and
+estimates to handle: 0.1-0.15 ms at batch 4, 8% of a plain round there; priced in d0). Each is a
+least-squares fit over past rounds with no term below 0 (noise, never a saving), a round's weight
+fading by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load, context
+growth) within tens of rounds; a round counts at most twice what the fit predicts for it (or the
+mean round, where that is ~0): on a shared CPU one round in fifty stalls for 10-100x its time, and
+unclipped, such spikes set the slopes. Terms the rounds seen so far cannot tell apart (every round
+alike) are pulled towards 0 but one per fit, which takes their cost: the pass's (v0), the draft
+step's (d1), the drafting round's (o1). That is the optimistic guess: more verified tokens look
+free, a shorter K and K = 0 cheaper, so the policy tries and measures them (a draft call's constant
+taking the cost, a K shorter than the one measured was priced as dear and never tried). A round
+that fed the target a prompt is left out of the verify fit, and so is the next: it runs cold (a
+10-30 ms pause made a pass 1.7-2.4x slower; counted, it priced a verified token at 5x after K = 0).
 """
 from __future__ import annotations
 
@@ -55,9 +57,8 @@ class FadingLeastSquares:
         self._theta, self._per_unit = [0.0] * size, [0.0] * size
         # Rounds added since _theta was solved, and in all; rounds without an observation since the last.
         self._unsolved, self._added, self._idle = 0, 0, 0
-        # The run of rounds with the same features not yet in gram and moment: their features
-        # (unscaled, scaled), count, faded weight and faded sum of seconds, and the most a round
-        # counts for (twice the last solve's prediction: spikes, the module docstring).
+        # The run of rounds with the same features not yet in gram and moment: their features (unscaled,
+        # scaled), count, faded weight and sum of seconds, and the most a round counts (spikes: module docstring).
         self._run, self._run_x, self._run_cap = (), [], float("inf")
         self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
 
@@ -103,7 +104,8 @@ class FadingLeastSquares:
 
     def _set_cap(self) -> None:
         if self._added > self._unsolved and self._run_x:  # (_theta from a solve, not the zeros it starts as)
-            self._run_cap = 2.0 * max(sum(t * v for t, v in zip(self._theta, self._run_x)), 1e-6)
+            mean = self.moment[0] / max(self.gram[0][0], 1e-12)  # (the module docstring)
+            self._run_cap = 2.0 * max(sum(t * v for t, v in zip(self._theta, self._run_x)), mean, 1e-6)
 
     def fade_out(self) -> None:
         """A round without an observation: the rounds seen fade as at any round (at the next add), so new
@@ -144,7 +146,7 @@ class RoundCosts:
         fed, steps = float(max(max_fed, 1)), float(max(max_steps, 1))
         self.verify = FadingLeastSquares([1.0, fed, fed])  # 1, T, P
         self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed], free=1)  # 1, S, D, C
-        self.overhead, self._overhead_weight = 0.0, 0.0
+        self.overhead = FadingLeastSquares([1.0, 1.0], free=1)  # 1, called
         self._cold = False  # the next round follows a prompt's pass (module docstring)
 
     @property
@@ -162,12 +164,14 @@ class RoundCosts:
 
     def solve_due(self) -> bool:
         """Whether coefficients() would solve a fit again (they change little in between)."""
-        return self.verify.solve_due() or self.draft.solve_due()
+        return self.verify.solve_due() or self.draft.solve_due() or self.overhead.solve_due()
 
     def coefficients(self, solve: bool = True) -> tuple[float, ...]:
         """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature, for a caller that
-        prices many shapes of one round (the policy's choice); a draft call's terms only where it drafts."""
-        return (*self.verify.per_unit(solve), *self.draft.per_unit(solve), self.overhead)
+        prices many shapes of one round (the policy's choice); a draft call's terms only where it drafts
+        (d0 with the coordinator's own extra on such a round, o1)."""
+        (d0, *draft), (overhead, called) = self.draft.per_unit(solve), self.overhead.per_unit(solve)
+        return (*self.verify.per_unit(solve), d0 + called, *draft, overhead)
 
     def observe(self, shape: RoundShape, verify_seconds: float, draft_seconds: float, overhead_seconds: float,
                 prefill: bool) -> None:
@@ -175,11 +179,8 @@ class RoundCosts:
         if not (prefill or self._cold):
             self.verify.add((1.0, shape.fed, shape.sampled), verify_seconds)
         self._cold = prefill
-        if shape.steps or shape.catch_up:
+        if called := bool(shape.steps or shape.catch_up):
             self.draft.add((1.0, shape.steps, shape.proposed, shape.catch_up), draft_seconds)
         else:
             self.draft.fade_out()
-        if self._overhead_weight:
-            overhead_seconds = min(overhead_seconds, 2.0 * max(self.overhead, 1e-6))
-        self._overhead_weight = self.verify.fade * self._overhead_weight + 1.0
-        self.overhead += (overhead_seconds - self.overhead) / self._overhead_weight
+        self.overhead.add((1.0, float(called)), overhead_seconds)

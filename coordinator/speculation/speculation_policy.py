@@ -36,6 +36,7 @@ choose() leaves the estimates as they were (a round that then fails changes noth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import NamedTuple
 
 from coordinator.rounds.round_report import RoundReport
@@ -149,8 +150,7 @@ class Evidence:
         self.coverage.add(counts[6], counts[7], fade if coverage_fade is None else coverage_fade)
 
     def probed(self, brought_back: bool) -> None:
-        self.rounds_at_zero = 0
-        self.interval = 2 if brought_back else min(2 * self.interval, MAX_PROBE_INTERVAL)
+        self.rounds_at_zero, self.interval = 0, 2 if brought_back else min(2 * self.interval, MAX_PROBE_INTERVAL)
 
     def probe_due(self, price_in_rounds: float = 1.0) -> bool:
         return self.rounds_at_zero + 1 >= self.interval * price_in_rounds
@@ -222,8 +222,7 @@ class SpeculationPolicy:
         self._chosen = chosen = _Chosen({}, set(), set(), {})
         if self.settled([r.req_id for r in requests]):  # (never with a follow-up pending)
             return [0] * len(requests)
-        follow_ups, self._follow_ups = self._follow_ups, set()
-        self._quiet = []
+        follow_ups, self._follow_ups, self._quiet = self._follow_ups, set(), []
         ks = dict.fromkeys((r.req_id for r in requests), 0)
         free = [r for r in requests if r.cap > 0 and not r.seeded]
         if free:
@@ -349,8 +348,8 @@ class SpeculationPolicy:
 
     # -- learning -------------------------------------------------------------------------------
     def observe(self, report: RoundReport, greedy: dict[str, bool]) -> None:
-        """Fold a round that ran into the estimates and the costs (`greedy`: req_id -> greedy)."""
-        chosen, drafted = self._chosen, {True: False, False: False}
+        """Fold a round that ran, and this call's own time, into the estimates and costs (greedy: req_id -> greedy)."""
+        start, chosen, drafted = perf_counter(), self._chosen, {True: False, False: False}
         pooled = {True: [0] * 8, False: [0] * 8}  # by kind: Evidence.add's counts, as `counts` below
         priors: dict[bool, Estimate] = {}  # by kind, as the round found it (computed when needed)
         for update in report.updates:
@@ -399,7 +398,7 @@ class SpeculationPolicy:
             else:
                 pool.rounds_at_zero += 1
         self.costs.observe(report_shape(report, greedy), report.verify_seconds, report.draft_seconds,
-                           report.overhead_seconds, prefill=report.target_prefill > 0)
+                           report.overhead_seconds + perf_counter() - start, prefill=report.target_prefill > 0)
         self._chosen = _Chosen({}, set(), set(), {})
 
 

@@ -11,15 +11,15 @@ called); coordinator seconds = o0 + o1 if the drafter is called (proposals, acce
 estimates to handle: 0.1-0.15 ms at batch 4, 8% of a plain round there; priced in d0). Each is a
 least-squares fit over past rounds with no term below 0 (noise, never a saving), a round's weight
 fading by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load, context
-growth) within tens of rounds; a round counts at most twice what the fit predicts for it (or the
-mean round, where that is ~0): on a shared CPU one round in fifty stalls for 10-100x its time, and
-unclipped, such spikes set the slopes. Terms the rounds seen so far cannot tell apart (every round
-alike) are pulled towards 0 but one per fit, which takes their cost: the pass's (v0), the draft
-step's (d1), the drafting round's (o1). That is the optimistic guess: more verified tokens look
-free, a shorter K and K = 0 cheaper, so the policy tries and measures them (a draft call's constant
-taking the cost, a K shorter than the one measured was priced as dear and never tried). A round
-that fed the target a prompt is left out of the verify fit, and so is the next: it runs cold (a
-10-30 ms pause made a pass 1.7-2.4x slower; counted, it priced a verified token at 5x after K = 0).
+growth) within tens of rounds; a round counts at most twice its prediction or the mean round, the
+larger (an unmeasured term prices a shape at ~0): on a shared CPU one round in fifty stalls for
+10-100x its time, and unclipped, such spikes set the slopes. Terms the rounds seen so far cannot
+tell apart (every round alike) are pulled towards 0 but one per fit, which takes their cost: the
+pass's (v0), the draft step's (d1), the drafting round's (o1). That is the optimistic guess: more
+verified tokens look free, a shorter K and K = 0 cheaper, so the policy tries and measures them (a
+draft call's constant taking the cost, a K shorter than the one measured was priced as dear and
+never tried). A round that fed the target a prompt is left out of the verify fit, and so is the
+next: it runs cold (a pass 1.7-2.4x slower; counted, it priced a verified token at 5x after K = 0).
 """
 from __future__ import annotations
 

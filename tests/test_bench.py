@@ -335,6 +335,25 @@ def test_bench_policy_measures_each_pair_against_its_oracle(tmp_path, capsys):
     assert "draft.weights must be one of auto, fp, q8, q4" in capsys.readouterr().err
 
 
+def test_bench_policy_batch_rows_run_a_batch_s_worth_of_prompts(tmp_path, capsys):
+    """A batch-2 row runs 2 requests at once though --num-prompts asks 1 (a batch row of fewer
+    requests than its size measures another batch); with too few prompts in the file, the file's."""
+    from specdec_app.cli import main
+
+    target, draft, prompts = bench_inputs(tmp_path, num_prompts=2)
+    out = tmp_path / "policy.json"
+    rc = main(["bench-policy", "--only-pairs", "--pair", f"{target}:{draft}", "--prompts", str(prompts),
+               "--num-prompts", "1", "--max-new-tokens", "3", "--batch-sizes", "1,2,3", "--temperatures", "0",
+               "--repeats", "1", "-k", "1", "--threads", "1", "--json", str(out), "--draft-weights", "fp"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["prompts"]) for r in rows] == [(1, 1), (2, 2), (3, 2)]
+    assert main(["bench-policy", "--only-pairs", "--pair", f"{target}:{draft}", "--prompts", str(prompts),
+                 "--num-prompts", "5"]) == 2
+    assert main(["bench-policy", "--batch-sizes", "0"]) == 2
+    assert "has 2" in capsys.readouterr().err
+
+
 def test_bench_policy_times_take_turns_and_a_slow_spell_on_one_run_does_not_count():
     """Each system runs each prompt group in turn with the others, after a different one each time,
     and a group counts its median time: a slow spell of the machine during one run (here 3x) leaves

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only-pairs", action="store_true", help="measure only the --pair pairs")
     parser.add_argument("--prompts", default=str(SHIPPED_TARGET.parent / "heldout_prompts.jsonl"),
                         help="JSONL prompts (default: the shipped code prompts)")
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per row (default 4)")
+    parser.add_argument("--num-prompts", type=int, default=4,
+                        help="prompts per row (default 4); a row of a larger batch size runs that many")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="times each system runs each prompt group, in turn with the others; "
@@ -107,8 +108,10 @@ def pairs(args) -> list[tuple[str, str, str]]:
 
 def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -> list[dict]:
     k = args.num_speculative_tokens
-    prompts, _ = load_prompts(prompts_file, args.num_prompts, load_tokenizer(target))
-    blocks = kv_blocks_for(prompts, args.max_new_tokens, k, max(batches))
+    tokenizer = load_tokenizer(target)
+    row_prompts = {batch: load_prompts(prompts_file, prompts_per_row(prompts_file, batch, args.num_prompts),
+                                       tokenizer)[0] for batch in batches}
+    blocks = kv_blocks_for(max(row_prompts.values(), key=len), args.max_new_tokens, k, max(batches))
     kind = "spec-ngram" if draft == NGRAM else "spec-draft"
     weights = ("auto", args.draft_weights)
     systems = {"plain": EngineSystem("engine", target, None, k, blocks, max(batches)),
@@ -118,6 +121,7 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
     rows = []
     for mode in modes:
         for batch in batches:
+            prompts = row_prompts[batch]
             # label -> (system, K): "plain again" is the A/A control, never a candidate for best
             runs = {"plain": ("plain", None), "plain again": ("plain", None), "adaptive": ("adaptive", None),
                     **{f"K={kk}": ("fixed", kk) for kk in range(1, k + 1)}}
@@ -131,18 +135,26 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
             rate, results = time_in_turns(list(runs), list(chunks(prompts, batch)), args.repeats, run_one)
             best = max((label for label in rate if label not in ("adaptive", "plain again")), key=rate.get)
             adaptive_result = pool_runs(results["adaptive"])
-            row = {"pair": name, "batch": batch, "mode": mode.name, "plain": rate["plain"],
+            row = {"pair": name, "batch": batch, "prompts": len(prompts), "mode": mode.name, "plain": rate["plain"],
                    "plain_again": rate["plain again"], "adaptive": rate["adaptive"],
                    "fixed": {str(kk): rate[f"K={kk}"] for kk in range(1, k + 1)},
                    "best": best, "best_rate": rate[best],
                    "alpha": adaptive_result.alpha, "mean_k": adaptive_result.mean_k}
             row["vs_best"], row["vs_plain"] = row["adaptive"] / row["best_rate"], row["adaptive"] / row["plain"]
             row["noise"] = abs(row["plain_again"] / row["plain"] - 1.0)  # two timings of one system
-            log(f"  {name:22s} b{batch} {mode.name:6s} adaptive/best {row['vs_best']:.2f}x ({row['best']}), "
-                f"/plain {row['vs_plain']:.2f}x, A/A {row['plain_again'] / row['plain']:.2f}x, "
-                f"alpha {_fmt(row['alpha'])}, mean K {_fmt(row['mean_k'])}")
+            log(f"  {name:22s} b{batch} ({len(prompts)} prompts) {mode.name:6s} adaptive/best "
+                f"{row['vs_best']:.2f}x ({row['best']}), /plain {row['vs_plain']:.2f}x, "
+                f"A/A {row['plain_again'] / row['plain']:.2f}x, alpha {_fmt(row['alpha'])}, "
+                f"mean K {_fmt(row['mean_k'])}")
             rows.append(row)
     return rows
+
+
+def prompts_per_row(prompts_file: str, batch: int, num_prompts: int) -> int:
+    """A row's prompts: num_prompts, or its batch size where larger (a batch-8 row runs 8 requests at
+    once, not num_prompts), as far as the file has them."""
+    lines = sum(1 for line in Path(prompts_file).read_text().splitlines() if line.strip())
+    return max(num_prompts, min(batch, lines))
 
 
 def time_in_turns(labels: list[str], groups: list, repeats: int, run) -> tuple[dict, dict]:
@@ -197,6 +209,8 @@ def run(args) -> int:
         if args.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         batches = [int(b) for b in args.batch_sizes.split(",")]
+        if min(batches) < 1 or args.num_prompts < 1:
+            raise ValueError("--batch-sizes and --num-prompts must be at least 1")
         modes = [Mode("greedy" if float(t) == 0 else f"T={float(t):g}", float(t)) for t in args.temperatures.split(",")]
         args.draft_weights = ServiceConfig.from_settings(**given_settings(args, ["draft_weights"])).draft.weights
         family = pairs(args)
@@ -210,12 +224,16 @@ def run(args) -> int:
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     log(f"specdec bench-policy: {len(family)} pairs, batch sizes {batches}, {[m.name for m in modes]}, "
-        f"{args.num_prompts} prompts x {args.max_new_tokens} tokens x {args.repeats} repeats, "
+        f"{args.num_prompts} prompts (or a batch's size) x {args.max_new_tokens} tokens x {args.repeats} repeats, "
         f"K_max {args.num_speculative_tokens}, "
         f"draft weights {args.draft_weights}; load average {load}")
     start, rows = time.perf_counter(), []
     for name, target, draft in family:
-        rows += measure_pair(name, target, draft, args.prompts, args, modes, batches, log)
+        try:
+            rows += measure_pair(name, target, draft, args.prompts, args, modes, batches, log)
+        except (OSError, ValueError) as e:  # (the prompts file: missing, too few prompts, a bad line)
+            print(f"specdec bench-policy: {e}", file=sys.stderr)
+            return 2
     print(format_table(rows, args.num_speculative_tokens))
     end_load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"\n{time.perf_counter() - start:.0f}s; load average {load} at start, {end_load} at end")

@@ -26,6 +26,7 @@ from specdec.round_types import DraftInfo, DraftProposal, DraftTask, SparseDist
 from specdec.sampling import (
     DRAFT,
     BatchSamplingParams,
+    apply_repetition_penalty,
     presence_mask,
     probs_from_logits,
     sample_from_probs,
@@ -98,6 +99,16 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], contexts: 
         tokens[rows] = picks
     # A row keeps its own width, whatever it shared the step with: a request's rows must stack.
     return tokens, {row: (ids[i, :widths[i]], q[i, :widths[i]]) for i, row in enumerate(rows)}
+
+
+def penalised(logits: torch.Tensor, params: SamplingParams, context: list[int]) -> torch.Tensor:
+    """A greedy row's scores [1, V] as its picks read them: the logits, after the repetition
+    penalty over `context` where the request has one (its argmax is then the penalised one)."""
+    if params.repetition_penalty == 1.0:
+        return logits
+    presence = presence_mask([context], logits.shape[-1], logits.device)
+    penalty = torch.tensor([params.repetition_penalty], device=logits.device)
+    return apply_repetition_penalty(logits.float(), presence, penalty)
 
 
 def q_width(params: SamplingParams, most: int) -> int:
@@ -194,12 +205,10 @@ class ModelDrafter(Drafter):
 
     def _branches(self, task: DraftTask, context: list[int]) -> int:
         """How many children the root of this task's tree gets (1: a chain): a tree needs room
-        for all its nodes, and no repetition penalty (whose presence differs by path)."""
+        for all its nodes."""
         nodes = tree_size(task.num_speculative_tokens, task.branches, task.side_depth)
         fits = len(context) + nodes <= self.runner.max_seq_len
-        if task.branches > 1 and task.num_speculative_tokens > 0 and fits and task.params.repetition_penalty == 1.0:
-            return task.branches
-        return 1
+        return task.branches if task.branches > 1 and task.num_speculative_tokens > 0 and fits else 1
 
     def _chain_in_c(self, step: int, wanted: dict[str, int], feed: dict[str, list[int]], trees: dict[str, TreeGrowth],
                     drafted: dict[str, list[int]], q_rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> bool:
@@ -268,8 +277,9 @@ class ModelDrafter(Drafter):
             for req_id, seq, rows_of in zip(ids, seqs, logits):
                 tree = trees.get(req_id)
                 if tree is not None and step == 0 and seq.params.greedy:  # the root's children: its top tokens
-                    first = int(row_argmax(rows_of[:1], self.runner.model.kernels)[0])
-                    top = torch.topk(rows_of[0], tree.branches).indices.tolist()
+                    scores = penalised(rows_of[:1], seq.params, context[req_id])
+                    first = int(row_argmax(scores, self.runner.model.kernels)[0])
+                    top = torch.topk(scores[0], tree.branches).indices.tolist()
                     tree.add_root(*greedy_children(first, top, tree.branches))
                 elif tree is None or step == 0:  # a chain's token, or a sampled tree's first child
                     rows.append(rows_of)

@@ -169,8 +169,7 @@ def test_overlapped_rounds_follow_target_distribution(models, drafter, params_na
     assert engine.target_worker.cache.allocator.num_used == 0
 
 
-# Trees: the root's children drawn without replacement, each continued as a chain. Top-k/top-p
-# without a repetition penalty (a request with one drafts a chain: its presence differs by branch).
+# Trees: the root's children drawn without replacement, each continued as a chain.
 TREE_PARAMS = {"temperature": dict(temperature=1.0), "hot": dict(temperature=1.5),
                "filters": dict(temperature=0.7, top_k=4, top_p=0.9)}
 
@@ -211,6 +210,31 @@ def test_trees_with_leaf_side_branches_follow_target_distribution(models, params
     samples, rates = tree_samples(models, "perturbed", TREE_PARAMS[params_name], seed=8000, side_depth=1)
     assert chi_square_pvalue(samples, exact_distribution(models["target"], TREE_PARAMS[params_name])) > 1e-3
     assert 0.0 < float(np.mean(rates)) < 1.0
+
+
+# A strong penalty after a one-token prompt: most tokens are not yet present, so what a node's path
+# adds to its presence set moves its distribution (and top-k/top-p make some sequences impossible).
+PENALTY_PARAMS, PENALTY_PROMPT = dict(temperature=0.9, top_k=5, top_p=0.95, repetition_penalty=2.0), [5]
+
+
+def test_trees_with_a_repetition_penalty_follow_target_distribution(models):
+    """Each node's q and p penalise the committed tokens and the tokens on its own path, so the
+    branches' distributions differ."""
+    samples, rates = tree_samples(models, "perturbed", PENALTY_PARAMS, seed=9700, prompt=PENALTY_PROMPT)
+    dist = exact_distribution(models["target"], PENALTY_PARAMS, prompt=PENALTY_PROMPT)
+    assert chi_square_pvalue(samples, dist) > 1e-3
+    assert 0.0 < float(np.mean(rates)) < 1.0
+
+
+def test_a_tree_walk_that_penalises_the_committed_tokens_only_fails_the_test(models, monkeypatch):
+    """The negative control: the target's walk penalising only the committed tokens (every node's
+    path left out of its presence set) commits sequences the target never would."""
+    from target_worker import tree_acceptance
+
+    monkeypatch.setattr(tree_acceptance, "node_paths", lambda parents, start: [[] for _ in parents])
+    samples, _ = tree_samples(models, "perturbed", PENALTY_PARAMS, seed=9700, prompt=PENALTY_PROMPT)
+    with pytest.raises(AssertionError, match="impossible sequence"):
+        chi_square_pvalue(samples, exact_distribution(models["target"], PENALTY_PARAMS, prompt=PENALTY_PROMPT))
 
 
 def test_trees_whose_shape_jumps_round_to_round_follow_target_distribution(models):

@@ -72,6 +72,20 @@ def test_greedy_trees_give_the_targets_tokens(models, references, drafter, polic
     assert_caches_empty(engine)
 
 
+def test_greedy_trees_with_a_repetition_penalty_give_plain_decodings_tokens(models):
+    """With a repetition penalty the root's children are the top tokens after the penalty and each
+    branch is penalised by its own path: trees are drafted, and the output is plain decoding's."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.5)
+    plain = LocalEngine(models["target"]).generate(PROMPTS, params)
+    engine = LocalEngine(models["target"], draft=models["perturbed"], num_speculative_tokens=3, kv_block_size=8,
+                         adaptive=False, tree_branches=3)
+    trees = tree_rounds(engine)
+    outputs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert sum(trees) > 0
+    assert_caches_empty(engine)
+
+
 def test_each_draft_has_its_policys_shape_and_a_tree_round_says_which_root_child_was_kept(models):
     """Each draft task has the shape the policy chose for its request that round (here shapes that
     jump: chains, and trees whose other children are 1 to 3 deep); a tree round reports the root's

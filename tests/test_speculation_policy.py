@@ -309,7 +309,9 @@ def test_a_drafter_that_is_never_right_ends_at_k_0_and_probes_less_and_less_ofte
     drafting = [i for i, k in enumerate(ks) if k]
     assert all(k == 0 for k in ks[100:] if k != 1)  # after the start only probes of 1 token
     late = [i for i in drafting if i >= 300]
-    assert late and all(b - a >= MAX_PROBE_INTERVAL for a, b in zip(late, late[1:]))  # 1 round in 64
+    gaps = [b - a for a, b in zip(late, late[1:])]
+    assert gaps and min(gaps) >= MAX_PROBE_INTERVAL // 2  # (the longest interval, stretched x 0.5-1.5)
+    assert sum(gaps) / len(gaps) >= 0.8 * MAX_PROBE_INTERVAL  # about 1 round in 64
     assert len(drafting) < 40
 
 
@@ -358,9 +360,35 @@ def test_k_0_is_not_a_trap_a_drafter_that_turns_good_is_found_within_a_probe_int
         return 10000
 
     histories = (1200, 1600, 2000)  # (where the next probe falls depends on the history's length)
-    assert max(map(rounds_to_find, histories)) <= MAX_PROBE_INTERVAL + 5
+    assert max(map(rounds_to_find, histories)) <= 1.5 * MAX_PROBE_INTERVAL + 5  # (the longest interval, stretched)
     monkeypatch.setattr(policy_module, "MAX_PROBE_INTERVAL", 10**9)
     assert max(map(rounds_to_find, histories)) > 4 * MAX_PROBE_INTERVAL
+
+
+def test_probes_at_the_longest_interval_do_not_lock_to_the_traffics_period(monkeypatch):
+    """Requests of 64 rounds, one after another, and a lookup drafter that finds nothing in a
+    request's first round and is right in every other; the kind's evidence from a bad start (no
+    token of 6 accepted, 4 of 22 asked found) keeps the requests at K = 0 but for probes, 64
+    rounds apart. Stretched by the golden ratio's multiples, a probe soon falls past a first round,
+    is accepted, and drafting resumes. At a fixed interval (the control) every probe falls on a
+    first round, finds nothing, and the requests stay at K = 0 (as the n-gram drafter on the
+    shipped target did in 1 run of 3 of bench-policy's batch-1 greedy row; measured: 0.96 against
+    0.02 of the rounds drafting)."""
+    def drafting_share() -> float:
+        policy, machine = new_policy(), Machine(per_token=0.1 * STEP, call=0.08 * STEP, step=0.005 * STEP)
+        for shape in [RoundShape(k + 1, 0, k, k, 0) for k in range(6)] * 5:  # (the costs, measured)
+            policy.costs.observe(shape, machine.verify(shape), machine.draft(shape), 0.0, prefill=False)
+        policy._pool[True] = policy_module.Evidence(alpha=policy_module.Faded(0.0, 6.0),
+                                                    coverage=policy_module.Faded(4.0, 22.0),
+                                                    interval=MAX_PROBE_INTERVAL, probes=6)
+        ks = [run_round(policy, machine, [greedy(f"r{(i + 1) // 64}")], all_accepted,
+                        proposes=lambda _r, k, i=i: 0 if (i + 1) % 64 == 0 else k)[0] for i in range(2000)]
+        return sum(map(bool, ks)) / len(ks)
+
+    assert drafting_share() > 0.9
+    monkeypatch.setattr(policy_module.Evidence, "probe_due",
+                        lambda self, price=1.0: self.rounds_at_zero + 1 >= self.interval * price)
+    assert drafting_share() < 0.05
 
 
 def drafting_after_a_slow_start(slow_rounds: int, slow_call: float, follow_ups: bool = True) -> float:
@@ -382,18 +410,19 @@ def test_a_slow_start_does_not_leave_a_drafter_that_pays_at_k_0():
     """A probe pays its drafter's catch-up, which the draft fit cannot tell from the draft call's
     own cost where every drafting round since had one; so a probe drafts 1 token again the round
     after, with nothing to catch up. Without that (the control), two draft calls 3 target steps
-    slower at the start price every later drafting round as dear, and a drafter that pays stays at
-    K = 0 but for probes (measured: 1.00 against 0.02 of the rounds drafting)."""
+    slower at the start price every later drafting round as dear, and a drafter that pays drafts
+    only where a probe falls after the fit has faded (measured: 1.00 against 0.80 of the rounds
+    drafting; 0.02 with probes at a fixed interval)."""
     assert drafting_after_a_slow_start(2, 3 * STEP) > 0.9
-    assert drafting_after_a_slow_start(2, 3 * STEP, follow_ups=False) < 0.05
+    assert drafting_after_a_slow_start(2, 3 * STEP, follow_ups=False) < 0.9
 
 
 def test_rounds_without_a_draft_call_age_the_draft_fit_as_any_round_does(monkeypatch):
     """A round without a draft call fades what the draft fit saw, as any round fades the verify fit:
     rounds measured in a slow spell of the machine give way to the probes after it. Where only
     draft calls aged it (the control), twenty slow rounds outweighed the rare probes for good
-    (probes of one round in both, to show the fading alone; measured: 0.87 against 0.02 drafting)."""
-    assert drafting_after_a_slow_start(20, STEP, follow_ups=False) > 0.5
+    (probes of one round in both, to show the fading alone; measured: 0.21 against 0.02 drafting)."""
+    assert drafting_after_a_slow_start(20, STEP, follow_ups=False) > 0.15
     monkeypatch.setattr(round_costs_module.FadingLeastSquares, "fade_out",
                         lambda self: setattr(self, "rounds", self.rounds * self.fade))
     assert drafting_after_a_slow_start(20, STEP, follow_ups=False) < 0.05

@@ -23,10 +23,10 @@ The model:
 - Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
   interval, its request longest without drafting (the smaller backlog among equals) drafts 1
   token, and if it was accepted again the round after (the probe paid the drafter's catch-up).
-  The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL after each probe that brings
-  no request back, resets when one drafts on merit, and counts in plain rounds' worth of the
-  probe's price (a dear probe takes no more of the time than a cheap one). No probe while even
-  acceptance 1 could not pay for drafting.
+  The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL (then x 0.5-1.5 by the golden
+  ratio's multiples mod 1: never a period for traffic to lock to) after each probe that brings no
+  request back, resets when one drafts on merit, and counts in plain rounds' worth of the probe's
+  price (a dear probe costs no more of the time). No probe while acceptance 1 could not pay.
 - Seeded sampled requests' K follows their own history only (which draws decide a token depends
   on K): the best expected tokens / (1 + nodes (c + REFERENCE_VERIFY_TOKEN_COST)), in target
   steps, c = draft/target parameter ratio, from the constant priors, a tree as set, probing on
@@ -53,7 +53,6 @@ _RATE_MAX = 0.999  # an acceptance's: keeps E finite
 
 class Estimate(NamedTuple):
     """What a request's drafts are worth (the model above)."""
-
     alpha: float  # acceptance of a draft token (but for the first where it has its own rate)
     coverage: float  # the share of asked tokens the drafter proposes
     first: float  # acceptance of the first token (alpha where it has no rate of its own)
@@ -116,8 +115,7 @@ class PriorWeight:
     ruled). Requests alike (sampled): their few own tokens are noise, K on them a winner's curse."""
 
     def __init__(self):
-        self.errors = [0.0] * 7  # by j: candidate PRIOR_WEIGHT * 2^j, never below the constant
-        self.weight = PRIOR_WEIGHT
+        self.errors, self.weight = [0.0] * 7, PRIOR_WEIGHT  # errors by j: of PRIOR_WEIGHT * 2^j (never below)
 
     def score(self, own: Evidence, hits: int, trials: int, prior: float) -> None:
         """A round's tokens of alpha against the request's rate before it."""
@@ -132,14 +130,14 @@ class PriorWeight:
 class Evidence:
     """A request's (or a kind's) rounds, faded: each rate's hits of trials (alpha: accepted of tested
     tokens but the first's where it has a rate of its own; side: kept of tried; coverage: proposed of
-    asked); whether the last round rejected a token; a probe clock (rounds at 0, its interval)."""
-
+    asked); whether the last round rejected a token; a probe clock (rounds at 0, interval, probes)."""
     alpha: Faded = field(default_factory=Faded)
     first: Faded = field(default_factory=Faded)
     side: Faded = field(default_factory=Faded)
     coverage: Faded = field(default_factory=Faded)
     rounds_at_zero: int = 0
     interval: int = 2
+    probes: int = 0  # probed() calls: they pick the stretch of a longest interval (the model above)
     missed: bool = False  # the last round rejected a proposed token (a chain's next first: `first`)
 
     def add(self, counts: tuple[float, ...], fade: float | None = None, coverage_fade: float | None = None) -> None:
@@ -151,9 +149,11 @@ class Evidence:
 
     def probed(self, brought_back: bool) -> None:
         self.rounds_at_zero, self.interval = 0, 2 if brought_back else min(2 * self.interval, MAX_PROBE_INTERVAL)
+        self.probes += 1
 
     def probe_due(self, price_in_rounds: float = 1.0) -> bool:
-        return self.rounds_at_zero + 1 >= self.interval * price_in_rounds
+        stretch = 0.5 + self.probes * 0.6180339887 % 1.0 if self.interval == MAX_PROBE_INTERVAL else 1.0
+        return self.rounds_at_zero + 1 >= self.interval * price_in_rounds * stretch
 
 
 _NO_EVIDENCE = Evidence()  # (read only) a request's before its first round

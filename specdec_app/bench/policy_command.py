@@ -111,7 +111,8 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
     tokenizer = load_tokenizer(target)
     row_prompts = {batch: load_prompts(prompts_file, prompts_per_row(prompts_file, batch, args.num_prompts),
                                        tokenizer)[0] for batch in batches}
-    blocks = kv_blocks_for(max(row_prompts.values(), key=len), args.max_new_tokens, k, max(batches))
+    blocks = kv_blocks_for([p for prompts in row_prompts.values() for p in prompts], args.max_new_tokens, k,
+                           max(batches))
     kind = "spec-ngram" if draft == NGRAM else "spec-draft"
     weights = ("auto", args.draft_weights)
     systems = {"plain": EngineSystem("engine", target, None, k, blocks, max(batches)),

@@ -108,9 +108,9 @@ def pairs(args) -> list[tuple[str, str, str]]:
 
 def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -> list[dict]:
     k = args.num_speculative_tokens
-    tokenizer = load_tokenizer(target)
-    row_prompts = {batch: load_prompts(prompts_file, prompts_per_row(prompts_file, batch, args.num_prompts),
-                                       tokenizer)[0] for batch in batches}
+    tokenizer, available = load_tokenizer(target), prompts_in(prompts_file)
+    row_prompts = {batch: load_prompts(prompts_file, max(args.num_prompts, min(batch, available)), tokenizer)[0]
+                   for batch in batches}  # (a batch-8 row runs 8 requests at once, as far as the file has them)
     blocks = kv_blocks_for([p for prompts in row_prompts.values() for p in prompts], args.max_new_tokens, k,
                            max(batches))
     kind = "spec-ngram" if draft == NGRAM else "spec-draft"
@@ -151,11 +151,9 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
     return rows
 
 
-def prompts_per_row(prompts_file: str, batch: int, num_prompts: int) -> int:
-    """A row's prompts: num_prompts, or its batch size where larger (a batch-8 row runs 8 requests at
-    once, not num_prompts), as far as the file has them."""
-    lines = sum(1 for line in Path(prompts_file).read_text().splitlines() if line.strip())
-    return max(num_prompts, min(batch, lines))
+def prompts_in(prompts_file: str) -> int:
+    """How many prompts the JSONL file holds (its non-blank lines, as load_prompts counts them)."""
+    return sum(1 for line in Path(prompts_file).read_text().splitlines() if line.strip())
 
 
 def time_in_turns(labels: list[str], groups: list, repeats: int, run) -> tuple[dict, dict]:

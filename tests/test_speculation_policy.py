@@ -735,6 +735,26 @@ def test_sampled_rounds_at_k_0_settle_where_the_accept_test_is_what_keeps_drafti
     assert control_ks == ks and control_asked <= 12 and control_choices >= asked  # (measured: 9, 18)
 
 
+def test_a_spell_at_k_0_asks_for_a_choice_when_a_cost_fit_is_half_its_memory_unsolved(monkeypatch):
+    """Rounds at K = 0 that the last choice settled ask for none while nothing that could change it
+    changes; the cost fits, fed every round, make it choose again once one has gone COST_MEMORY / 2
+    rounds unsolved. Re-checked at every solve due (a fit's every 8 rounds: the control), a spell
+    asked for a choice every 6-7 rounds here, every 4 in a served run at batch 1 (~0.1 ms each: ~1%
+    of a run at K = 0 on 2 cores). Measured: 62 against 153 choices asked in 1000 rounds."""
+    def choices_asked() -> int:
+        policy, machine, asked = new_policy(), Machine(), 0
+        for i in range(1100):
+            asked += i >= 100 and not policy.settled(["a"])
+            k = run_round(policy, machine, [greedy("a")], none_accepted)[0]
+            assert i < 100 or k in (0, 1)  # (after the start only probes)
+        return asked
+
+    assert choices_asked() < 90
+    solve_due = RoundCosts.solve_due
+    monkeypatch.setattr(RoundCosts, "solve_due", lambda self, every=8: solve_due(self))
+    assert choices_asked() > 120
+
+
 @pytest.mark.parametrize("branches", [1, 3])
 def test_the_bound_that_spares_the_choice_never_hides_a_k_that_pays(branches):
     """The bound that spares the full choice where nothing pays is a bound: over random batches,

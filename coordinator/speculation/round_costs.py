@@ -62,8 +62,8 @@ class FadingLeastSquares:
         self._run, self._run_x, self._run_cap = (), [], float("inf")
         self._run_rounds, self._run_weight, self._run_seconds = 0, 0.0, 0.0
 
-    def solve_due(self) -> bool:
-        return bool(self._unsolved) and (self._unsolved >= _SOLVE_EVERY or self._added <= _SOLVE_EVERY)
+    def solve_due(self, every: int = _SOLVE_EVERY) -> bool:
+        return bool(self._unsolved) and (self._unsolved >= every or self._added <= _SOLVE_EVERY)
 
     def per_unit(self, solve: bool = True) -> list[float]:
         """theta in seconds per unit of each (unscaled) feature, none below 0 (a measured slope below 0 is
@@ -162,9 +162,9 @@ class RoundCosts:
             seconds += d0 + d1 * shape.steps + d2 * shape.proposed + d3 * shape.catch_up
         return seconds
 
-    def solve_due(self) -> bool:
-        """Whether coefficients() would solve a fit again (they change little in between)."""
-        return self.verify.solve_due() or self.draft.solve_due() or self.overhead.solve_due()
+    def solve_due(self, every: int = _SOLVE_EVERY) -> bool:
+        """Whether coefficients() would solve a fit again, or has `every` rounds unsolved (they change little)."""
+        return any(fit.solve_due(every) for fit in (self.verify, self.draft, self.overhead))
 
     def coefficients(self, solve: bool = True) -> tuple[float, ...]:
         """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature, for a caller that

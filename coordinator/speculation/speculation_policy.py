@@ -40,7 +40,7 @@ from time import perf_counter
 from typing import NamedTuple
 
 from coordinator.rounds.round_report import RoundReport
-from coordinator.speculation.round_costs import RoundCosts, RoundShape
+from coordinator.speculation.round_costs import COST_MEMORY, RoundCosts, RoundShape
 from specdec.sampling.tree import side_branch_depth, tree_size
 
 PRIOR_WEIGHT = 4.0  # tested tokens the prior counts for: one unlucky round must not end speculation
@@ -213,9 +213,11 @@ class SpeculationPolicy:
 
     # -- the choice -----------------------------------------------------------------------------
     def settled(self, req_ids: list[str]) -> bool:
-        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose(). So while
-        the same requests (caps only shrink), none seeded, no probe due or to follow, the costs not solved."""
-        return (bool(self._quiet) and req_ids == self._quiet and not self._follow_ups and not self.costs.solve_due()
+        """Whether the last choice settled this round too (K = 0 for all, no probe): skip choose(). So while the
+        same requests (caps only shrink), none seeded, no probe due or to follow, no cost fit unsolved for COST_MEMORY
+        / 2 rounds (at each fit's solve, every 8, a spell chose again every ~4 rounds: ~1% of a run at batch 1)."""
+        return (bool(self._quiet) and req_ids == self._quiet and not self._follow_ups
+                and not self.costs.solve_due(int(COST_MEMORY) // 2)
                 and not any(pool.probe_due(self._probe_prices[greedy]) for greedy, pool in self._pool.items()))
 
     def choose(self, requests: list[PolicyRequest]) -> list[int]:
@@ -391,10 +393,8 @@ class SpeculationPolicy:
             if counts[7]:  # fading by DECAY per w tokens tested (by PRIOR_WEIGHT asked): a memory of ~10 w
                 pool.add(counts, fade=DECAY ** ((counts[1] + counts[3]) / self.prior_weights[kind].weight),
                          coverage_fade=DECAY ** (counts[7] / PRIOR_WEIGHT))
-            if drafted[kind]:
-                pool.probed(brought_back=True)
-            elif kind in chosen.probes.values():
-                pool.probed(brought_back=False)
+            if drafted[kind] or kind in chosen.probes.values():
+                pool.probed(brought_back=drafted[kind])
             else:
                 pool.rounds_at_zero += 1
         self.costs.observe(report_shape(report, greedy), report.verify_seconds, report.draft_seconds,

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from specdec.config import NGRAM, SHIPPED_DRAFT, SHIPPED_TARGET, ServiceConfig
 from specdec.tokenizer import load_tokenizer
 from specdec_app.bench.engine_runner import EngineSystem, kv_blocks_for
-from specdec_app.bench.prompts import chunks, load_prompts
+from specdec_app.bench.prompts import chunks, load_prompts, prompt_entries
 from specdec_app.bench.results import Mode, pool_runs
 from specdec_app.flags import add_settings, given_settings
 
@@ -108,7 +108,7 @@ def pairs(args) -> list[tuple[str, str, str]]:
 
 def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -> list[dict]:
     k = args.num_speculative_tokens
-    tokenizer, available = load_tokenizer(target), prompts_in(prompts_file)
+    tokenizer, available = load_tokenizer(target), len(prompt_entries(prompts_file))
     row_prompts = {batch: load_prompts(prompts_file, max(args.num_prompts, min(batch, available)), tokenizer)[0]
                    for batch in batches}  # (a batch-8 row runs 8 requests at once, as far as the file has them)
     blocks = kv_blocks_for([p for prompts in row_prompts.values() for p in prompts], args.max_new_tokens, k,
@@ -149,11 +149,6 @@ def measure_pair(name, target, draft, prompts_file, args, modes, batches, log) -
                 f"mean K {_fmt(row['mean_k'])}")
             rows.append(row)
     return rows
-
-
-def prompts_in(prompts_file: str) -> int:
-    """How many prompts the JSONL file holds (its non-blank lines, as load_prompts counts them)."""
-    return sum(1 for line in Path(prompts_file).read_text().splitlines() if line.strip())
 
 
 def time_in_turns(labels: list[str], groups: list, repeats: int, run) -> tuple[dict, dict]:

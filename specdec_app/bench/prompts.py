@@ -10,13 +10,18 @@ from pathlib import Path
 from specdec.tokenizer import encode_prompt
 
 
+def prompt_entries(path: str | Path) -> list[dict]:
+    """The JSONL file's prompts: one entry per non-blank line."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def load_prompts(path: str | Path, n: int, tokenizer=None) -> tuple[list[list[int]], list[str]]:
     """n prompts spread evenly over a JSONL file of {"prompt": text} or {"prompt_ids": [ids]}.
 
     Returns (token-id lists, a short description of each). Text needs the checkpoint's tokenizer
     and is encoded the way LocalEngine encodes it.
     """
-    entries = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    entries = prompt_entries(path)
     if not entries:
         raise ValueError(f"{path}: no prompts")
     if n > len(entries):

@@ -15,14 +15,14 @@ The model:
   kind's (coverage's: PRIOR_WEIGHT): of PRIOR_WEIGHT * 2^j, the one best predicting recent tokens.
 - A round's seconds: RoundCosts, learnt online. A drafter's catch-up serves every token its
   request may still commit: a round pays its share.
-- The choice maximises committed tokens per second over the batch: draft tokens and a tree's
-  depths of other children are added in decreasing order of worth a node and the best prefix wins
-  (draft steps are shared by the batch). A round where no token could pay even at each rate's
-  ceiling (a bound, else the choice) settles the next ones while nothing that could change that
-  changes (K = 0 rounds cost little to choose).
+- The choice maximises committed tokens per second over the batch: draft tokens and a tree's depths
+  of other children are added in decreasing order of worth a node and the best prefix wins (draft
+  steps are shared by the batch). A round where no token could pay even at each rate's ceiling (a
+  bound, else the choice) settles the next ones while nothing that could change that changes.
 - Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
   interval, its request longest without drafting (the smaller backlog among equals) drafts 1
-  token, and if it was accepted again the round after (the probe paid the drafter's catch-up).
+  token, and if it was accepted 2 the round after (the probe paid the catch-up; 2 steps tell a
+  step's cost from a call's, which rounds of 1 token price whole in each step: never a long K).
   The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL (then x 0.5-1.5 by the golden
   ratio's multiples mod 1: never a period for traffic to lock to) after each probe that brings no
   request back, resets when one drafts on merit, and counts in plain rounds' worth of the probe's
@@ -164,7 +164,7 @@ class _Chosen(NamedTuple):
     """What choose() chose for the round about to run beyond K: trees, and probes for observe()."""
     probes: dict[str, bool]  # req_id -> greedy, of the unseeded probes
     seeded_probes: set[str]
-    follow_ups: set[str]  # the unseeded probes of the round before, drafting 1 token again
+    follow_ups: set[str]  # the unseeded probes of the round before, drafting 2 tokens
     sides: dict[str, int]  # req_id -> its tree's side depth m (absent: a chain)
 
 
@@ -243,7 +243,7 @@ class SpeculationPolicy:
                         or not any(k for k, _ in self._merit(free, ceilings, len(requests), costs, sampled).values())):
                     self._quiet = [r.req_id for r in requests]
             for r in (r for r in free if r.req_id in follow_ups and not ks[r.req_id]):
-                ks[r.req_id], self._quiet = 1, []
+                ks[r.req_id], self._quiet = min(r.cap, 2), []
                 chosen.follow_ups.add(r.req_id)
             for greedy, pool in self._pool.items():
                 kind = [r for r in free if r.greedy == greedy]

@@ -409,10 +409,10 @@ def drafting_after_a_slow_start(slow_rounds: int, slow_call: float, follow_ups: 
 def test_a_slow_start_does_not_leave_a_drafter_that_pays_at_k_0():
     """A probe pays its drafter's catch-up, which the draft fit cannot tell from the draft call's
     own cost where every drafting round since had one; so a probe that was accepted drafts again
-    the round after, with nothing to catch up. Without that (the control), two draft calls 3 target steps
-    slower at the start price every later drafting round as dear, and a drafter that pays drafts
-    only where a probe falls after the fit has faded (measured: 1.00 against 0.80 of the rounds
-    drafting; 0.02 with probes at a fixed interval)."""
+    the round after, with nothing to catch up. Without that (the control), two draft calls 3
+    target steps slower at the start price every later drafting round as dear, and a drafter that
+    pays drafts only where a probe falls after the fit has faded (measured: 1.00 against 0.80 of
+    the rounds drafting; 0.02 with probes at a fixed interval)."""
     assert drafting_after_a_slow_start(2, 3 * STEP) > 0.9
     assert drafting_after_a_slow_start(2, 3 * STEP, follow_ups=False) < 0.9
 

@@ -21,8 +21,8 @@ The model:
   bound, else the choice) settles the next ones while nothing that could change that changes.
 - Probes keep K = 0 from being a trap: once a kind has had no drafting round for its probe
   interval, its request longest without drafting (the smaller backlog among equals) drafts 1
-  token, and if it was accepted 2 the round after (the probe paid the catch-up; 2 steps tell a
-  step's cost from a call's, which rounds of 1 token price whole in each step: never a long K).
+  token, and if it was accepted 2 the round after (the probe paid the catch-up; rounds of 1 token
+  price each step as a whole call, for they cannot tell the two apart: a long K would never pay).
   The interval starts at 2 rounds, doubles up to MAX_PROBE_INTERVAL (then x 0.5-1.5 by the golden
   ratio's multiples mod 1: never a period for traffic to lock to) after each probe that brings no
   request back, resets when one drafts on merit, and counts in plain rounds' worth of the probe's

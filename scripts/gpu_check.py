@@ -29,7 +29,12 @@ records its error and the rest still run; a run cut short keeps what it measured
 - quantized: weights held as q8 and q4 codes (model.triton_quantized): speculative greedy == that
   format's plain greedy (float32 and bfloat16, graphs on and off); a row's product bits alone and
   in a batch; the reference shapes' graphed step, verify and draft step at each format, their
-  weight bytes and the draft's cost ratio c.
+  weight bytes and the draft's cost ratio c;
+- trees: token trees' greedy == the target's greedy (fixed and adaptive, float32 and bfloat16), a
+  seeded sampled tree batch reproduces; a tree's verify pass against a chain's and a step;
+- policy: plain, every fixed K and the adaptive engine (chains and trees) side by side on the
+  shipped pair and on an "echo" pair whose drafting pays on a GPU, batch 1 and 8, greedy and T=0.8:
+  the policy on a machine it was not tuned on.
 `--only a,b` runs only the sections named.
 """
 from __future__ import annotations
@@ -54,7 +59,7 @@ from coordinator.rounds.scheduler import Scheduler  # noqa: E402
 from draft_worker.worker import DraftWorker  # noqa: E402
 from specdec.config import SHIPPED_DRAFT, SHIPPED_TARGET, ServiceConfig, WorkerConfig  # noqa: E402
 from specdec.model import load_model  # noqa: E402
-from specdec.model.batch import prepare_forward  # noqa: E402
+from specdec.model.batch import TreeNodes, prepare_forward  # noqa: E402
 from specdec.model.config import ModelConfig  # noqa: E402
 from specdec.model.cuda_graphs import GraphedPasses  # noqa: E402
 from specdec.model.decoder import CPU_HALF_PRECISION_ENV, Model, rms_norm  # noqa: E402
@@ -63,6 +68,7 @@ from specdec.model.rope import RotaryTable  # noqa: E402
 from specdec.model.runner import ModelRunner  # noqa: E402
 from specdec.model.weights import build_weights  # noqa: E402
 from specdec.params import SamplingParams  # noqa: E402
+from specdec.sampling.tree import leading_chain, node_paths  # noqa: E402
 from target_worker.worker import TargetWorker  # noqa: E402
 
 # The reference pair's shapes (Llama-3.2-1B / 3B-Instruct), and tiny ones for --quick.
@@ -112,12 +118,18 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype, context:
 
 
 def timed_pass(model: Model, batch: int, tokens: int, context: int, repeats: int, graphed: bool = False,
-               replay_only: dict | None = None) -> float:
+               replay_only: dict | None = None, parents: list[int] | None = None) -> float:
     """Median seconds of a pass feeding `tokens` new tokens to each of `batch` sequences of
     `context`, preparing the batch included (host work a round pays); graphed: through
     model.cuda_graphs (captured in an untimed first pass), and then `replay_only["s"]` gets the
-    median of the graph's replay alone."""
+    median of the graph's replay alone. parents: a verify pass of a token tree instead (the last
+    committed token, then the tree's nodes; sampling.tree's parent list), eager as the runner
+    runs trees."""
     device = model.device
+    trees = None
+    if parents is not None:
+        tokens, tree_start = 1 + len(parents), context + 1
+        trees = [TreeNodes(tree_start, node_paths(parents, tree_start)[leading_chain(parents):])] * batch
     cache = model.new_kv_cache(num_blocks=batch * (context + tokens * (repeats + 2)) // 16 + batch * 2 + 1,
                                block_size=16)
     graphs = GraphedPasses(model, cache, max_batch=batch) if graphed else None
@@ -129,7 +141,7 @@ def timed_pass(model: Model, batch: int, tokens: int, context: int, repeats: int
     for _ in range(repeats + 1):
         sync(device)
         start = time.perf_counter()
-        forward = prepare_forward(cache, ids, [[2] * tokens] * batch, [tokens] * batch)
+        forward = prepare_forward(cache, ids, [[2] * tokens] * batch, [tokens] * batch, trees)
         graphs.forward(forward) if graphs else model.forward(forward, cache)
         sync(device)
         times.append(time.perf_counter() - start)
@@ -471,6 +483,150 @@ def shipped_pair(device: str, quick: bool) -> dict:
             "shipped_pair_speedup_b1_greedy": runs["speculative"] / runs["plain"]}
 
 
+def echo_checkpoint(path: Path, shape: dict, dev: torch.device, seed: int) -> Path:
+    """A Llama checkpoint (bfloat16, tied embedding) whose layers barely touch the residual stream
+    (weights 0.0005 beside the embedding's 0.02): its logits are the normed last token's products
+    with the embedding, whose largest is that token's own row, so greedy repeats the last token.
+    Two such models of any shapes agree on that: a pair whose drafting pays at the real shapes'
+    costs (greedy acceptance ~1; at T = 0.8 the small model's softmax spreads over the vocabulary
+    and acceptance falls to what it puts on the repeated token)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * hidden // shape["num_attention_heads"]
+
+    def w(*size, scale=0.0005):
+        return (torch.randn(*size, generator=gen, device=dev) * scale).to(torch.bfloat16).cpu()
+
+    tensors = {"model.embed_tokens.weight": w(shape["vocab_size"], hidden, scale=0.02),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(shape["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        tensors.update({f"{layer}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                        f"{layer}.post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                        **{f"{layer}.self_attn.{name}_proj.weight": w(rows, cols) for name, rows, cols in (
+                            ("q", hidden, hidden), ("k", kv, hidden), ("v", kv, hidden), ("o", hidden, hidden))},
+                        **{f"{layer}.mlp.{name}_proj.weight": w(rows, cols) for name, rows, cols in (
+                            ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+        "torch_dtype": "bfloat16"}))
+    return path
+
+
+def tokens_per_second(sched: Scheduler, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple:
+    """Tokens/s of the prompts run `batch` at a time, the tokens, and the new tokens per request and
+    round (1 at K = 0)."""
+    tokens, rounds, start = [], 0, time.perf_counter()
+    for group in range(0, len(prompts), batch):
+        out, group_rounds = generate(sched, prompts[group:group + batch], [params] * batch)
+        tokens += out
+        rounds += group_rounds * batch
+    return sum(map(len, tokens)) / (time.perf_counter() - start), tokens, sum(map(len, tokens)) / rounds
+
+
+def trees(dev: torch.device, tmp: Path, quick: bool) -> dict:
+    """Token trees on the device: greedy == the target's greedy (a fixed tree and the adaptive
+    engine's trees, float32 and bfloat16), a seeded sampled tree batch reproduces; then a tree's
+    verify pass against a chain's of as many tokens and against a step (eager: the runner does not
+    graph trees), on the target's shape."""
+    report = {}
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 20, 33)]
+    greedy = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * 3
+    pair = (str(tmp / "target"), str(tmp / "draft"))
+    for dtype in ("float32", "bfloat16"):
+        plain, _ = generate(scheduler(pair[0], None, str(dev), dtype), prompts, greedy)
+        for name, settings in (("fixed_2x3", dict(adaptive=False, num_speculative_tokens=3, tree_branches=2)),
+                               ("adaptive_3_wide", dict(tree_branches=3, tree_side_depth=1))):
+            spec, _ = generate(scheduler(*pair, str(dev), dtype, **settings), prompts, greedy)
+            report[f"tree_{name}_greedy_equals_target_greedy_{dtype}"] = spec == plain
+    sampled = [SamplingParams(max_new_tokens=24, temperature=0.8, top_k=k, top_p=p, seed=i, ignore_eos=True)
+               for i, (k, p) in enumerate([(0, 1.0), (5, 1.0), (50, 0.9)])]
+    runs = [generate(scheduler(*pair, str(dev), "float32", adaptive=False, num_speculative_tokens=3,
+                               tree_branches=3), prompts, sampled)[0] for _ in range(2)]
+    report["tree_seeded_sampled_batch_lengths"] = [len(t) for t in runs[0]]
+    report["tree_seeded_sampled_batch_reproduces"] = runs[0] == runs[1]
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = random_model(SHAPES["tiny-target" if quick else "3B"], dev, dtype)
+    context, repeats = (64, 3) if quick else (512, 20)
+    step = timed_pass(target, 1, 1, context, repeats, graphed=dev.type == "cuda")
+    report["tree_pass_step_s"] = step
+    chain5 = [-1, 0, 1, 2, 3]
+    for name, parents in (("2x5", chain5 + [-1, 5, 6, 7, 8]), ("3_wide_5", chain5 + [-1, -1]),
+                          ("4x5", chain5 + [p + 5 * b if p >= 0 else -1 for b in (1, 2, 3) for p in chain5])):
+        tree = timed_pass(target, 1, 0, context, repeats, parents=parents)
+        chain = timed_pass(target, 1, 1 + len(parents), context, repeats)
+        report[f"tree_pass_{name}_nodes"] = len(parents)
+        report[f"tree_pass_{name}_over_step"] = tree / step
+        report[f"tree_pass_{name}_over_chain_of_as_many_tokens"] = tree / chain
+    report["tree_pass_chain6_over_step"] = timed_pass(target, 1, 6, context, repeats) / step
+    return report
+
+
+# The policy section's systems (settings over the defaults) and rows (batch, temperature).
+POLICY_SYSTEMS = {"plain": None, **{f"K={k}": dict(adaptive=False, num_speculative_tokens=k) for k in range(1, 6)},
+                  "adaptive": {}, "adaptive_tree": dict(tree_branches=2, tree_side_depth=1)}
+POLICY_ROWS = {"b1_greedy": (1, 0.0), "b1_T0.8": (1, 0.8), "b8_greedy": (8, 0.0), "b8_T0.8": (8, 0.8)}
+
+
+def policy(dev: torch.device, tmp: Path, quick: bool) -> dict:
+    """The adaptive policy on this machine, where nothing was tuned: tokens/s of plain, every fixed
+    K and the adaptive engine (chains, and trees) on two pairs, each row's best fixed K beside it.
+    The shipped pair (float32) is made for CPUs: on a GPU its draft step costs about what the
+    target's does, so drafting loses and the policy should stay near plain. The echo pair (random
+    weights of the 1B shape drafted by a 2-layer model, bfloat16; echo_checkpoint) is one whose
+    drafting pays. Greedy output of every system is checked against plain."""
+    report = {}
+    tokens = 16 if quick else 128
+    echo_target = SHAPES["tiny-target" if quick else "1B"]
+    echo_draft = dict(echo_target, hidden_size=64 if quick else 256, intermediate_size=128 if quick else 512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # (the target's vocabulary)
+    pairs = {"echo": (str(echo_checkpoint(tmp / "echo-target", echo_target, dev, 1)),
+                      str(echo_checkpoint(tmp / "echo-draft", echo_draft, dev, 2)), "bfloat16")}
+    if (SHIPPED_TARGET / "model.safetensors").exists() and not quick:
+        pairs["shipped"] = (str(SHIPPED_TARGET), str(SHIPPED_DRAFT), "float32")
+    rows = {name: row for name, row in POLICY_ROWS.items() if not quick or name.startswith("b1")}
+    for pair, (target, draft, dtype) in pairs.items():
+        vocab = 4000 if pair == "shipped" else (512 if quick else 128256)
+        prompts = [torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(2 if quick else 8)]
+        speed, outputs = {}, {}
+        for system, settings in POLICY_SYSTEMS.items():
+            began = time.perf_counter()
+            sched = scheduler(target, draft if settings is not None else None, str(dev), dtype, **(settings or {}))
+            report[f"policy_{pair}_{system}_load_and_capture_s"] = time.perf_counter() - began
+            for row, (batch, temperature) in rows.items():
+                params = SamplingParams(max_new_tokens=tokens, temperature=temperature, ignore_eos=True)
+                generate(sched, prompts[:batch], [SamplingParams(max_new_tokens=16, temperature=temperature,
+                                                                 ignore_eos=True)] * batch)  # warm-up
+                tok_s, out, per_round = tokens_per_second(sched, prompts, params, min(batch, len(prompts)))
+                speed[row, system], outputs[row, system] = tok_s, out
+                report[f"policy_{pair}_{row}_{system}_tokens_per_round"] = per_round
+            for role, worker in (("target", sched.target), ("draft", getattr(sched.draft, "drafter", None))):
+                runner = getattr(worker, "runner", None)
+                if runner is not None and runner.graphs is not None:  # (CUDA)
+                    report[f"policy_{pair}_{system}_{role}_passes_replayed"] = (
+                        runner.graphs.replays / max(runner.forward_passes, 1))
+            del sched
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        for row in rows:
+            best = max((s for s in POLICY_SYSTEMS if not s.startswith("adaptive")), key=lambda s: speed[row, s])
+            report[f"policy_{pair}_{row}_plain_tok_s"] = speed[row, "plain"]
+            report[f"policy_{pair}_{row}_best_fixed"] = f"{best} {speed[row, best] / speed[row, 'plain']:.2f}x plain"
+            for system in ("adaptive", "adaptive_tree"):
+                report[f"policy_{pair}_{row}_{system}_over_best"] = speed[row, system] / speed[row, best]
+                report[f"policy_{pair}_{row}_{system}_over_plain"] = speed[row, system] / speed[row, "plain"]
+            if row.endswith("greedy"):
+                report[f"policy_{pair}_{row}_greedy_all_equal_plain"] = all(
+                    outputs[row, s] == outputs[row, "plain"] for s in POLICY_SYSTEMS)
+    return report
+
+
 def checks(device: str, quick: bool, out: Path, only: set[str] | None = None) -> dict:
     """Every section in turn; one that fails records its error and the rest still run. The
     report is rewritten after each section, so a run cut short keeps what it measured."""
@@ -484,7 +640,8 @@ def checks(device: str, quick: bool, out: Path, only: set[str] | None = None) ->
                 ("parity", lambda: parity(dev, tmp)), ("exactness", lambda: exactness(device, tmp)),
                 ("graphs", lambda: graph_replay(dev, tmp / "target")), ("families", lambda: families(dev, tmp)),
                 ("timings", lambda: timings(dev, quick)), ("long_prompt", lambda: long_prompt(dev, quick)),
-                ("shipped", lambda: shipped_pair(device, quick)), ("quantized", lambda: quantized(dev, tmp, quick))]
+                ("shipped", lambda: shipped_pair(device, quick)), ("quantized", lambda: quantized(dev, tmp, quick)),
+                ("trees", lambda: trees(dev, tmp, quick)), ("policy", lambda: policy(dev, tmp, quick))]
     for name, section in sections:
         if only and name not in only:
             continue
@@ -636,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     report = checks(args.device, args.quick, Path(args.out), only)
     print(json.dumps(report, indent=1))
     failed = [k for k in report if k.endswith("_error")]
-    exact = [v for k, v in report.items() if k.startswith("speculative_greedy_equals")]
+    exact = [v for k, v in report.items() if "greedy_equals" in k or "all_equal" in k or k.endswith("reproduces")]
     return 0 if exact and all(exact) and not failed else 1
 
 

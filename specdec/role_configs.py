@@ -79,7 +79,7 @@ class WorkerConfig:
               "depend on how it was scheduled); torch's ops where no compiler is found")
     cuda_graph_max_batch: int = setting(
         32, "on CUDA (with Triton installed), replay decode, draft and verify passes of up to this many "
-            "sequences from CUDA graphs captured on first use (one launch per pass instead of hundreds); "
+            "sequences from CUDA graphs captured at start (one launch per pass instead of hundreds); "
             "0 runs every pass eagerly")
 
     role = "worker"  # names the fields in error messages

@@ -28,6 +28,11 @@ def test_the_device_check_runs_on_the_cpu_and_writes_its_reports(tmp_path):
     assert report["parity_float32_max_abs"] < 1e-3 and report["parity_bfloat16_max_abs"] < 0.05
     assert report["host_syncs_per_round"] > 0 and report["cost_ratio_c"] > 0 and report["step_over_floor"] > 0
     assert report["q8_row_alone_equals_in_8_and_40"] is True and report["q4_row_alone_equals_in_8_and_40"] is True
+    assert report["tree_fixed_2x3_greedy_equals_target_greedy_float32"] is True
+    assert report["tree_seeded_sampled_batch_reproduces"] is True
+    # The echo pair's draft repeats the target's token: at K = 5 nearly all of it is accepted.
+    assert report["policy_echo_b1_greedy_greedy_all_equal_plain"] is True
+    assert report["policy_echo_b1_greedy_K=5_tokens_per_round"] > 3
     assert "| speculative_greedy_equals_target_greedy_float32 | True |" in (tmp_path / "gpu_check.md").read_text()
 
 

@@ -161,6 +161,50 @@ def test_replayed_passes_pad_into_a_block_no_sequence_owns(checkpoint, monkeypat
     graph_cache.check_accounting()
 
 
+def test_ragged_passes_replay_padded_to_their_longest_sequence(checkpoint, monkeypatch):
+    """Verify passes where two requests drafted different K (4 and 2 new tokens, then 1 and 3, then
+    3 and 1 with a third sequence's single token), and a draft's catch-up (2 and 1 tokens, logits
+    for the last only): each replays the graph of its longest sequence, its logits equal the eager
+    pass's, and the missing tokens write only the reserved block. A prompt longer than a block
+    runs eagerly."""
+    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+    model = load_model(checkpoint, cpu_kernels=False)
+    eager_cache, graph_cache = (model.new_kv_cache(num_blocks=24, block_size=8) for _ in range(2))
+    eager_cache.reserve_block()
+    graphs = GraphedPasses(model, graph_cache, max_batch=3, capture=False)
+
+    def ragged(cache, run):
+        for seq in "abc":
+            cache.add_sequence(seq)
+        out = [run(["a", "b", "c"], [list(range(1, 14)), [5, 6, 7], [8, 9]], [1, 1, 1])]  # prefill: eager
+        out.append(run(["a", "b"], [[7, 8, 9, 10], [1, 2]], [4, 2]))
+        out.append(run(["a", "b"], [[11], [3, 4, 5]], [1, 3]))
+        out.append(run(["a", "b", "c"], [[12, 13, 14], [6], [9]], [3, 1, 1]))
+        out.append(run(["a", "b"], [[15, 16], [7]], [1, 1]))
+        return out
+
+    want = ragged(eager_cache, lambda *a: model.forward(prepare_forward(eager_cache, *a), eager_cache))
+    got = ragged(graph_cache, lambda *a: graphs.forward(prepare_forward(graph_cache, *a)))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+    assert graphs.replays == 4 and sorted(graphs._captured) == [(2, 2), (2, 3), (2, 4), (4, 3)]
+    for seq in "abc":
+        table = graph_cache.block_table(seq)
+        assert graphs.scratch_block not in table and table == eager_cache.block_table(seq)
+        assert torch.equal(graph_cache.k[:, table], eager_cache.k[:, table])
+    graph_cache.check_accounting()
+
+
+def test_every_bucket_and_query_length_is_prepared_before_the_first_pass(checkpoint, monkeypatch):
+    """capture_all: a graph for each bucket and each q up to a block (at most 16), so no round
+    meets a capture (whose time the adaptive policy would learn as the round's cost)."""
+    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+    model = load_model(checkpoint, cpu_kernels=False)
+    graphs = GraphedPasses(model, model.new_kv_cache(num_blocks=24, block_size=8), max_batch=3, capture=False)
+    graphs.capture_all()
+    assert sorted(graphs._captured) == [(b, q) for b in (1, 2, 4) for q in range(1, 9)]
+
+
 def test_small_grids_split_the_keys_to_fill_the_multiprocessors():
     assert attention_splits(8, 132) == 16 and attention_splits(64, 132) == 8 and attention_splits(300, 132) == 1
     assert attention_splits(1, 1) == 2 and attention_splits(2, 1) == 1

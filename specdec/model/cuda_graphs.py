@@ -4,16 +4,24 @@ A small model's pass on a GPU is a few hundred short kernels; launched one by on
 costs more in launches than in the kernels (the draft's cost ratio c then tends to 1). A graph
 captured once replays all of them in one launch. Terms:
 - a *uniform pass*: every sequence feeds the same number q of new tokens and wants logits for all
-  of them (a decode or draft step: q = 1; a verify pass: q = K + 1). Only these are replayed;
-  prefill and ragged passes run eagerly.
+  of them (a decode or draft step: q = 1; a verify pass: q = K + 1).
+- any other pass of at most MAX_GRAPH_QUERY_LEN new tokens a sequence: sequences that feed
+  different numbers (verify passes where requests drafted different K, the draft's catch-up after
+  different acceptance) or want logits for their last tokens only (that catch-up, short prompts).
+  It replays the graph of its longest sequence's q: a shorter sequence's missing tokens are
+  padding (token 0 at its last position, written into the reserved block), and only the wanted
+  tokens' logits are kept. Longer passes (prompts) and token trees run eagerly.
 - a *bucket*: the batch sizes a graph is captured at (1, 2, 4, 8, then multiples of 8). A batch
   of n sequences replays the graph of the smallest bucket >= n; its other rows are *padding*:
   they feed token 0 at positions 0..q-1 of a block the cache reserved for them (reserve_block),
   so they write and read keys no sequence owns.
-Graphs are captured on first use of a (bucket, q), after one eager warm-up that compiles the
-Triton kernels. What changes between replays (token ids, positions, slots, block tables,
-lengths) is copied into the graph's input tensors; attention reads lengths from those tensors
-(model.triton_attention), so one graph serves every context length.
+Graphs are captured when the runner starts (capture_all: every bucket and q; 1.7-6 s for a 1B
+model on an H200), each after one eager warm-up that compiles the Triton kernels. Captured on first
+use instead, a round that met a new (bucket, q) took a capture's time, and the adaptive policy,
+which learns its costs from measured rounds, learnt that drafting is dear (docs/gpu-2026-11-30.md).
+What changes between replays (token ids, positions, slots, block tables, lengths) is copied into
+the graph's input tensors; attention reads lengths from those tensors (model.triton_attention), so
+one graph serves every context length.
 """
 from __future__ import annotations
 
@@ -59,8 +67,15 @@ class GraphedPasses:
         self._captured: dict[tuple[int, int], _Captured] = {}
         self.replays = 0
 
+    def capture_all(self) -> None:
+        """Capture (or, without capture, prepare) the graph of every bucket and q replayed."""
+        for bucket in self.buckets:
+            for q in range(1, min(MAX_GRAPH_QUERY_LEN, self.cache.block_size) + 1):
+                if (bucket, q) not in self._captured:
+                    self._capture(bucket, q)
+
     def replayable(self, batch: ForwardBatch) -> bool:
-        return (batch.uniform_query_len and batch.all_logits and not batch.has_tree
+        return (not batch.has_tree
                 and batch.max_query_len <= MAX_GRAPH_QUERY_LEN
                 and batch.max_query_len <= self.cache.block_size
                 and batch.block_tables.shape[0] <= self.buckets[-1]
@@ -81,23 +96,39 @@ class GraphedPasses:
             captured.graph.replay()
             logits = captured.logits
         self.replays += 1
-        return logits[:num_seqs * q].clone()  # the next replay overwrites the graph's output
+        if batch.uniform_query_len and batch.all_logits:
+            return logits[:num_seqs * q].clone()  # the next replay overwrites the graph's output
+        wanted = batch.token_rows if batch.all_logits else batch.token_rows.index_select(0, batch.logits_indices)
+        return logits.index_select(0, wanted)  # (a tensor of its own)
 
     def _load(self, static: ForwardBatch, batch: ForwardBatch, num_seqs: int, q: int) -> None:
-        """Copy the pass into the graph's inputs; rows past num_seqs become padding."""
+        """Copy the pass into the graph's inputs; rows past num_seqs become padding, and so do a
+        ragged pass's missing tokens (at their row's last position, so that they read only keys
+        their sequence holds; their keys go to the reserved block)."""
         tokens, width = num_seqs * q, batch.block_tables.shape[1]
-        for name in ("input_ids", "positions", "slots"):
-            getattr(static, name)[:tokens].copy_(getattr(batch, name))
+        if batch.uniform_query_len:
+            for name in ("input_ids", "positions", "slots"):
+                getattr(static, name)[:tokens].copy_(getattr(batch, name))
+        else:  # token_rows: each real token's row in the [num_seqs * q] layout
+            static.input_ids[:tokens].zero_()
+            static.positions[:tokens].copy_((batch.seq_lens - 1).repeat_interleave(q))
+            static.slots[:tokens].copy_(self._scratch_slots(q).repeat(num_seqs))
+            for name in ("input_ids", "positions", "slots"):
+                getattr(static, name)[:tokens].index_copy_(0, batch.token_rows, getattr(batch, name))
         static.block_tables[:num_seqs, :width].copy_(batch.block_tables)
         static.seq_lens[:num_seqs].copy_(batch.seq_lens)
         if num_seqs < static.seq_lens.shape[0]:
             self._pad(static, num_seqs, q)
 
+    def _scratch_slots(self, q: int) -> torch.Tensor:
+        """[q] the reserved block's first q slots."""
+        return torch.arange(q, device=self.model.device) + self.scratch_block * self.cache.block_size
+
     def _pad(self, static: ForwardBatch, first: int, q: int) -> None:
-        in_block = torch.arange(q, device=static.slots.device).repeat(static.seq_lens.shape[0] - first)
+        rows = static.seq_lens.shape[0] - first
         static.input_ids[first * q:].zero_()
-        static.positions[first * q:].copy_(in_block)
-        static.slots[first * q:].copy_(in_block + self.scratch_block * self.cache.block_size)
+        static.positions[first * q:].copy_(torch.arange(q, device=static.positions.device).repeat(rows))
+        static.slots[first * q:].copy_(self._scratch_slots(q).repeat(rows))
         static.block_tables[first:, 0].fill_(self.scratch_block)
         static.seq_lens[first:].fill_(q)
 

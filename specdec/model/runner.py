@@ -40,6 +40,7 @@ class ModelRunner:
         self.graphs = None  # model.cuda_graphs: on CUDA with Triton's attention unless turned off
         if device.type == "cuda" and model.attention == "triton" and config.cuda_graph_max_batch > 0:
             self.graphs = GraphedPasses(model, self.cache, config.cuda_graph_max_batch)
+            self.graphs.capture_all()
 
     @staticmethod
     def load(config: WorkerConfig, spec: str) -> ModelRunner:

@@ -127,3 +127,16 @@ def test_a_headroom_measured_already_is_not_measured_again(model):
     recorded = Recorded(model)
     assert accelerator_num_blocks(recorded, memory, BLOCK, 0.9, CHUNK, headroom=50 * block) == 250
     assert recorded.passes == [] and memory.resets == 0
+
+
+def test_the_cuda_graphs_logits_are_kept_out_of_the_cache(model):
+    """Every graph writes its logits into one buffer of the largest bucket's 16 rows (a 128k
+    vocabulary at 32 sequences: 263 MB), which the cache's budget leaves free."""
+    from specdec.model.cuda_graphs import graph_logits_bytes
+    from specdec.model.memory_budget import accelerator_num_blocks
+
+    assert graph_logits_bytes(128256, 32) == 32 * 16 * 128256 * 4 and graph_logits_bytes(100, 3) == 4 * 16 * 100 * 4
+    block = bytes_per_block(model, BLOCK)
+    memory = ScriptedMemory(total=100_000 * block, free=300 * block, peaks=[])
+    assert accelerator_num_blocks(Recorded(model), memory, BLOCK, 0.9, CHUNK, headroom=50 * block,
+                                  reserved=20 * block) == 230

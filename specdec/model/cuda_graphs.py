@@ -35,6 +35,11 @@ from specdec.model.batch import ForwardBatch
 MAX_GRAPH_QUERY_LEN = 16  # the longest q replayed (K + 1 of a verify pass); longer passes run eagerly
 
 
+def graph_logits_bytes(vocab_size: int, max_batch: int) -> int:
+    """The buffer every graph writes its logits to: the largest bucket's MAX_GRAPH_QUERY_LEN rows."""
+    return bucket_sizes(max_batch)[-1] * MAX_GRAPH_QUERY_LEN * vocab_size * 4  # (float32)
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, ... up to and including max_batch's bucket."""
     sizes = [1, 2, 4, 8]
@@ -46,7 +51,6 @@ def bucket_sizes(max_batch: int) -> list[int]:
 @dataclass
 class _Captured:
     batch: ForwardBatch  # the graph's input tensors, as a batch the model reads
-    logits: torch.Tensor  # [bucket * q, vocab]: the graph's output
     graph: object  # torch.cuda.CUDAGraph, or None where replay runs the pass eagerly (tests on a CPU)
 
 
@@ -64,6 +68,10 @@ class GraphedPasses:
         self.table_width = min(cache.allocator.num_blocks,
                                -(-model.config.max_position_embeddings // cache.block_size))
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # Every graph writes its logits here: one kept per graph, a 128k vocabulary's would take
+        # 6 GB over the buckets and q (the pool reuses the rest of a graph's memory in the next).
+        rows = graph_logits_bytes(model.config.vocab_size, max_batch) // (4 * model.config.vocab_size)
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=model.device)
         self._captured: dict[tuple[int, int], _Captured] = {}
         self.replays = 0
 
@@ -91,10 +99,10 @@ class GraphedPasses:
         captured = self._captured.get((bucket, q)) or self._capture(bucket, q)
         self._load(captured.batch, batch, num_seqs, q)
         if captured.graph is None:
-            logits = self.model.forward(captured.batch, self.cache)
+            self.logits[:bucket * q].copy_(self.model.forward(captured.batch, self.cache))
         else:
             captured.graph.replay()
-            logits = captured.logits
+        logits = self.logits[:bucket * q]
         self.replays += 1
         if batch.uniform_query_len and batch.all_logits:
             return logits[:num_seqs * q].clone()  # the next replay overwrites the graph's output
@@ -155,10 +163,8 @@ class GraphedPasses:
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self.model.forward(static, self.cache)
-        else:
-            logits = None
-        captured = _Captured(static, logits, graph)
+                self.logits[:bucket * q].copy_(self.model.forward(static, self.cache))
+        captured = _Captured(static, graph)
         self._captured[(bucket, q)] = captured
         return captured
 

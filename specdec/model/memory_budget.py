@@ -87,21 +87,23 @@ def activation_headroom(model: Model, memory: DeviceMemory, block_size: int, chu
 
 def accelerator_num_blocks(model: Model, memory: DeviceMemory, block_size: int, share: float,
                            chunk_tokens: int, where: str = "kv_memory_fraction",
-                           headroom: int | None = None) -> int:
-    """KV-cache blocks that fit this worker's share of the device after its weights and measured
-    headroom (`headroom`: measured already by the caller), never more than is free now. `where`
-    names the setting in the error."""
+                           headroom: int | None = None, reserved: int = 0) -> int:
+    """KV-cache blocks that fit this worker's share of the device after its weights, measured
+    headroom (`headroom`: measured already by the caller) and `reserved` bytes (what the worker
+    keeps besides: CUDA graphs' logits), never more than is free now. `where` names the setting in
+    the error."""
     weight_bytes = model.num_parameters * model.dtype.itemsize
     if headroom is None:
         headroom = activation_headroom(model, memory, block_size, chunk_tokens)
     free, total = memory.free_and_total()
-    budget = min(int(share * total) - weight_bytes, free) - headroom
+    budget = min(int(share * total) - weight_bytes, free) - headroom - reserved
     blocks = budget // bytes_per_block(model, block_size)
     if blocks < 1:
         gib = 1 << 30
         raise MemoryError(
             f"no room for a KV cache: {where}={share} of {total / gib:.1f} GiB, less the weights "
-            f"({weight_bytes / gib:.2f} GiB) and the measured activation headroom ({headroom / gib:.2f} GiB, "
-            f"from prefill_chunk_tokens={chunk_tokens}), with {free / gib:.1f} GiB free; raise {where}, "
+            f"({weight_bytes / gib:.2f} GiB), the measured activation headroom ({headroom / gib:.2f} GiB, "
+            f"from prefill_chunk_tokens={chunk_tokens}) and the CUDA graphs' logits ({reserved / gib:.2f} GiB), "
+            f"with {free / gib:.1f} GiB free; raise {where}, "
             "lower prefill_chunk_tokens, or set kv_cache_blocks")
     return int(blocks)

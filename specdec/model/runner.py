@@ -6,7 +6,7 @@ import torch
 from specdec.config import WorkerConfig
 from specdec.kv_cache import PagedKVCache, blocks_for_tokens
 from specdec.model.batch import TreeNodes, prepare_forward
-from specdec.model.cuda_graphs import GraphedPasses
+from specdec.model.cuda_graphs import GraphedPasses, graph_logits_bytes
 from specdec.model.decoder import Model, load_model
 from specdec.model.kernel_forward import kernel_draft_chain
 from specdec.model.memory_budget import CudaMemory, DeviceMemory, accelerator_num_blocks, bytes_per_block
@@ -27,18 +27,20 @@ class ModelRunner:
         """`memory`: what sizes the cache on an accelerator (torch.cuda's counters by default)."""
         self.model = model
         device = model.device
+        graphed = device.type == "cuda" and model.attention == "triton" and config.cuda_graph_max_batch > 0
         num_blocks = config.kv_cache_blocks
         if num_blocks is None and device.type == "cuda":
-            num_blocks = accelerator_num_blocks(model, memory or CudaMemory(device), config.kv_block_size,
-                                                config.kv_memory_fraction, config.prefill_chunk_tokens,
-                                                f"{config.role}.kv_memory_fraction")
+            num_blocks = accelerator_num_blocks(
+                model, memory or CudaMemory(device), config.kv_block_size, config.kv_memory_fraction,
+                config.prefill_chunk_tokens, f"{config.role}.kv_memory_fraction",
+                reserved=graph_logits_bytes(model.config.vocab_size, config.cuda_graph_max_batch) if graphed else 0)
         elif num_blocks is None:
             num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)
         self.chunk_tokens = config.prefill_chunk_tokens
         self.forward_passes = 0
         self.graphs = None  # model.cuda_graphs: on CUDA with Triton's attention unless turned off
-        if device.type == "cuda" and model.attention == "triton" and config.cuda_graph_max_batch > 0:
+        if graphed:
             self.graphs = GraphedPasses(model, self.cache, config.cuda_graph_max_batch)
             self.graphs.capture_all()
 

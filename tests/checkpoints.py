@@ -134,10 +134,10 @@ class JumpingK:
 
 
 def fixed_cost_policy(coefficients: tuple[float, ...], branches: int = 1, side_depth: int = 0):
-    """The real speculation policy on fixed round costs (RoundCosts.coefficients' order: v0, v1,
-    v2, d0, d1, d2, d3, overhead), not learnt from timings: what it chooses then depends on the
-    tokens alone, never on how fast the machine running the test is (branches, side_depth: the
-    widest tree it may draw)."""
+    """The real speculation policy on fixed round costs (RoundCosts.coefficients' order: v0, v1, v2,
+    d0, d1, d2, d3, overhead; a round with trees costing no more), not learnt from timings: what
+    it chooses then depends on the tokens alone, never on how fast the machine running the test
+    is (branches, side_depth: the widest tree it may draw)."""
     from coordinator.speculation.round_costs import RoundCosts
     from coordinator.speculation.speculation_policy import SpeculationPolicy
 
@@ -145,7 +145,7 @@ def fixed_cost_policy(coefficients: tuple[float, ...], branches: int = 1, side_d
         rounds_seen = 1e9
 
         def coefficients(self, solve: bool = True):
-            return coefficients
+            return (*coefficients, 0.0)
 
         def observe(self, *args, **kwargs):
             pass

@@ -2,13 +2,14 @@
 
 Terms, per round (RoundReport): the target is fed T tokens (each verified request its draft's
 nodes + 1); where a request samples and something was proposed, the accept test takes
-distributions at P = B (longest draft + 1) positions, else P = 0; the drafter, when called, runs S
-= max K steps drafting D nodes after catching up on C committed tokens it had not seen (a new
-prompt, rounds at K = 0); the coordinator's own time is the rest, with the policy's observe.
+distributions at P = B (longest draft + 1) positions, else P = 0; the drafter, when called, runs
+S = max K steps drafting D nodes after catching up on C committed tokens it had not seen (a new
+prompt, rounds at K = 0); R = 1 where a request drafts a token tree (a GPU runs those passes
+eagerly: 5-11x a graphed one); the coordinator's own time is the rest, with the policy's observe.
 
-Model: verify seconds = v0 + v1 T + v2 P; draft seconds = d0 + d1 S + d2 D + d3 C (0 when not
-called); coordinator seconds = o0 + o1 if the drafter is called (proposals, accept results and
-estimates to handle: 0.1-0.15 ms at batch 4, 8% of a plain round there; priced in d0). Each is a
+Model: verify seconds = v0 + v1 T + v2 P + v3 R; draft seconds = d0 + d1 S + d2 D + d3 C + d4 R (0
+when not called); coordinator seconds = o0 + o1 if the drafter is called (proposals, accept results
+and estimates to handle: 0.1-0.15 ms at batch 4, 8% of a plain round there; priced in d0). Each is a
 least-squares fit over past rounds with no term below 0 (noise, never a saving), a round's weight
 fading by 1 - 1 / COST_MEMORY per later round, so the costs follow the machine (load, context
 growth) within tens of rounds; a round counts at most twice its prediction or the mean round, the
@@ -29,8 +30,7 @@ from typing import NamedTuple
 # noise (a shared CPU's timings jump by 2x), short enough to follow a load that changes within a request.
 COST_MEMORY = 50.0
 _RIDGE = 1e-6  # pull of an unmeasured term towards 0, in (normalised) rounds: only breaks ties
-# Rounds between solves once a fit has seen as many: a round moves it by ~2% (1 / COST_MEMORY).
-_SOLVE_EVERY = 8
+_SOLVE_EVERY = 8  # rounds between solves once a fit has seen as many: a round moves it by ~2% (1 / COST_MEMORY)
 
 
 class RoundShape(NamedTuple):
@@ -40,6 +40,7 @@ class RoundShape(NamedTuple):
     steps: int  # S (0: no draft call)
     proposed: int  # D
     catch_up: int  # C
+    tree: int = 0  # R
 
 
 class FadingLeastSquares:
@@ -55,8 +56,7 @@ class FadingLeastSquares:
         self.gram, self.moment = [[0.0] * size for _ in range(size)], [0.0] * size
         self.rounds = 0.0  # the faded count of rounds seen
         self._theta, self._per_unit = [0.0] * size, [0.0] * size
-        # Rounds added since _theta was solved, and in all; rounds without an observation since the last.
-        self._unsolved, self._added, self._idle = 0, 0, 0
+        self._unsolved, self._added, self._idle = 0, 0, 0  # rounds added since a solve, in all; unobserved since
         # The run of rounds with the same features not yet in gram and moment: their features (unscaled,
         # scaled), count, faded weight and sum of seconds, and the most a round counts (spikes: module docstring).
         self._run, self._run_x, self._run_cap = (), [], float("inf")
@@ -144,8 +144,8 @@ class RoundCosts:
 
     def __init__(self, max_fed: int, max_steps: int):
         fed, steps = float(max(max_fed, 1)), float(max(max_steps, 1))
-        self.verify = FadingLeastSquares([1.0, fed, fed])  # 1, T, P
-        self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed], free=1)  # 1, S, D, C
+        self.verify = FadingLeastSquares([1.0, fed, fed, 1.0])  # 1, T, P, R
+        self.draft = FadingLeastSquares([1.0, steps, fed, 8.0 * fed, 1.0], free=1)  # 1, S, D, C, R
         self.overhead = FadingLeastSquares([1.0, 1.0], free=1)  # 1, called
         self._cold = False  # the next round follows a prompt's pass (module docstring)
 
@@ -156,8 +156,8 @@ class RoundCosts:
     def round_seconds(self, shape: RoundShape, solve: bool = True) -> float:
         """Predicted seconds of a round of this shape (solve=False: by the fits as last solved, so
         that a caller who only watches leaves the next solve where it falls)."""
-        v0, v1, v2, d0, d1, d2, d3, overhead = self.coefficients(solve)
-        seconds = v0 + v1 * shape.fed + v2 * shape.sampled + overhead
+        v0, v1, v2, d0, d1, d2, d3, overhead, tree = self.coefficients(solve)
+        seconds = v0 + v1 * shape.fed + v2 * shape.sampled + overhead + tree * shape.tree
         if shape.steps or shape.catch_up:
             seconds += d0 + d1 * shape.steps + d2 * shape.proposed + d3 * shape.catch_up
         return seconds
@@ -167,20 +167,20 @@ class RoundCosts:
         return any(fit.solve_due(every) for fit in (self.verify, self.draft, self.overhead))
 
     def coefficients(self, solve: bool = True) -> tuple[float, ...]:
-        """(v0, v1, v2, d0, d1, d2, d3, overhead) in seconds per unit of each feature, for a caller that
-        prices many shapes of one round (the policy's choice); a draft call's terms only where it drafts
-        (d0 with the coordinator's own extra on such a round, o1)."""
-        (d0, *draft), (overhead, called) = self.draft.per_unit(solve), self.overhead.per_unit(solve)
-        return (*self.verify.per_unit(solve), d0 + called, *draft, overhead)
+        """(v0, v1, v2, d0, d1, d2, d3, overhead, v3 + d4), seconds per unit of each feature, for a caller
+        pricing many shapes of one round (the policy's choice); d0 with the coordinator's extra (o1)."""
+        (v0, v1, v2, v3), (d0, d1, d2, d3, d4) = self.verify.per_unit(solve), self.draft.per_unit(solve)
+        overhead, called = self.overhead.per_unit(solve)
+        return v0, v1, v2, d0 + called, d1, d2, d3, overhead, v3 + d4
 
     def observe(self, shape: RoundShape, verify_seconds: float, draft_seconds: float, overhead_seconds: float,
                 prefill: bool) -> None:
         """Fold in a round that ran: its shape and measured seconds (`prefill`: it fed a prompt)."""
         if not (prefill or self._cold):
-            self.verify.add((1.0, shape.fed, shape.sampled), verify_seconds)
+            self.verify.add((1.0, shape.fed, shape.sampled, shape.tree), verify_seconds)
         self._cold = prefill
         if called := bool(shape.steps or shape.catch_up):
-            self.draft.add((1.0, shape.steps, shape.proposed, shape.catch_up), draft_seconds)
+            self.draft.add((1.0, shape.steps, shape.proposed, shape.catch_up, shape.tree), draft_seconds)
         else:
             self.draft.fade_out()
         self.overhead.add((1.0, float(called)), overhead_seconds)

@@ -271,33 +271,34 @@ class SpeculationPolicy:
 
     def _merit(self, free: list[PolicyRequest], estimates: list[Estimate], batch: int,
                costs: tuple[float, ...], sampled: bool) -> dict[str, tuple[int, int]]:
-        """(K, m) of the `free` requests (their estimates): the best prefix in expected tokens per second
-        of a round of `batch` requests (the others priced at K = 0; `sampled`: some request samples, so a
-        longer longest proposal adds positions to each); m, a tree's side depth (0: a chain)."""
+        """(K, m) of the `free` requests (their estimates): the best prefix in expected tokens per second of a round
+        of `batch` requests (the others at K = 0; `sampled`: a longer longest proposal adds positions to each row), or
+        of its chains alone where a round with trees costs R more (once); m, a tree's side depth (0: a chain)."""
         if self.costs.rounds_seen < 1:  # nothing measured yet: draft, and measure it
             return {r.req_id: (min(r.cap, 1), 0) for r in free}
-        v0, v1, v2, d0, d1, d2, d3, overhead = costs
-        plain, others = v0 + v1 * batch + overhead, self.branches - 1
-        order = sorted(self._items(free, estimates), key=lambda item: -item[0])
-        ks, sides, nodes, charged = [0] * len(free), [0] * len(free), [0] * len(free), [0.0] * len(free)
-        # The round's seconds: plain, the rest of a draft call, steps (the largest K), the longest proposal.
-        tokens, verify, draft_tokens, steps, longest = float(batch), plain, d0, 0, 0
-        best_rate, best = tokens / max(plain, 1e-9), (list(ks), list(sides))
-        for _, i, worth, side in order:
-            added = others if side else 1  # nodes: the tree's other children at the next side depth, or a token
-            tokens, nodes[i] = tokens + worth, nodes[i] + added
-            verify, draft_tokens = verify + estimates[i].coverage * v1 * added, draft_tokens + d2 * added
-            if nodes[i] > longest:  # a longer longest proposal: positions more on each row of a sampled batch
-                verify, longest = verify + v2 * batch * (nodes[i] - longest + (longest == 0)) * sampled, nodes[i]
-            if side:
-                sides[i] += 1
-            else:
-                ks[i], steps = ks[i] + 1, max(steps, ks[i] + 1)
-                share = d3 * free[i].backlog * min(1.0, estimates[i].expected_tokens(ks[i]) / free[i].remaining)
-                draft_tokens, charged[i] = draft_tokens + share - charged[i], share
-            rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
-            if rate > best_rate:
-                best_rate, best = rate, (list(ks), list(sides))
+        v0, v1, v2, d0, d1, d2, d3, overhead, tree = costs
+        plain, others, n = v0 + v1 * batch + overhead, self.branches - 1, len(free)
+        items = sorted(self._items(free, estimates), key=lambda item: -item[0])
+        best_rate, best = batch / max(plain, 1e-9), ([0] * n, [0] * n)
+        for order in (items, [item for item in items if not item[3]]) if tree else (items,):
+            ks, sides, nodes, charged = [0] * n, [0] * n, [0] * n, [0.0] * n
+            # The round's seconds: plain, the rest of a draft call, steps (the largest K), the longest proposal.
+            tokens, verify, draft_tokens, steps, longest, tree_price = float(batch), plain, d0, 0, 0, tree
+            for _, i, worth, side in order:
+                added = others if side else 1  # nodes: the tree's other children at the next side depth, or a token
+                tokens, nodes[i] = tokens + worth, nodes[i] + added
+                verify, draft_tokens = verify + estimates[i].coverage * v1 * added, draft_tokens + d2 * added
+                if nodes[i] > longest:  # a longer longest proposal: positions more on each row of a sampled batch
+                    verify, longest = verify + v2 * batch * (nodes[i] - longest + (longest == 0)) * sampled, nodes[i]
+                if side:
+                    sides[i], verify, tree_price = sides[i] + 1, verify + tree_price, 0.0
+                else:
+                    ks[i], steps = ks[i] + 1, max(steps, ks[i] + 1)
+                    share = d3 * free[i].backlog * min(1.0, estimates[i].expected_tokens(ks[i]) / free[i].remaining)
+                    draft_tokens, charged[i] = draft_tokens + share - charged[i], share
+                rate = tokens / max(verify + draft_tokens + d1 * steps, 1e-9)
+                if rate > best_rate:
+                    best_rate, best = rate, (list(ks), list(sides))
         return {r.req_id: shape for r, shape in zip(free, zip(*best))}
 
     def _items(self, free: list[PolicyRequest], estimates: list[Estimate]):
@@ -316,7 +317,7 @@ class SpeculationPolicy:
         """A bound that settles most rounds where nothing pays, cheaper than _merit: m nodes are worth at
         most min(m * the best worth a node, all worths) and cost at least a draft call (d0 + d1 + the least
         catch-up, + the accept test on 2 positions a row if sampled) + m * the least a node costs."""
-        v0, v1, v2, d0, d1, d2, d3, overhead = costs
+        v0, v1, v2, d0, d1, d2, d3, overhead, _ = costs
         plain, others = v0 + v1 * batch + overhead, self.branches - 1
         top, worths, least_coverage, most = 0.0, 0.0, 1.0, 0
         for r, e in zip(free, estimates):
@@ -332,14 +333,14 @@ class SpeculationPolicy:
     def _probe_rounds(self, request: PolicyRequest, batch: int, costs: tuple[float, ...], sampled: bool) -> float:
         """What drafting 1 token for `request` adds to a round (its catch-up and one step, a verified
         token, the accept test on 2 positions a row if sampled), in plain rounds of this batch, >= 1."""
-        v0, v1, v2, d0, d1, d2, d3, overhead = costs
+        v0, v1, v2, d0, d1, d2, d3, overhead, _ = costs
         price = v1 + d2 + (2 * v2 * batch if sampled else 0.0) + d0 + d1 + d3 * request.backlog
         return max(1.0, price / max(v0 + v1 * batch + overhead, 1e-9))
 
     def _worth_probing(self, costs: tuple[float, ...]) -> bool:
         """Could drafting pay at all: at acceptance 1, does some K of a chain beat plain decoding (one request)?
         Yes while drafting is unmeasured (draft costs fade in rounds without drafting)."""
-        v0, _, _, d0, d1, d2, _, overhead = costs  # (K = 4 where any K up to 4 does: K + 1 tokens, K steps, a call)
+        v0, _, _, d0, d1, d2, _, overhead, _ = costs  # (K = 4 where any K up to 4 does: K + 1 tokens, K steps, a call)
         return self.costs.rounds_seen < 1 or self.costs.draft.rounds < 1 or 4 * (v0 + overhead - d1 - d2) > d0
 
     def _seeded_choice(self, e: Estimate, cap: int) -> int:
@@ -404,11 +405,10 @@ class SpeculationPolicy:
 
 def report_shape(report: RoundReport, greedy: dict[str, bool]) -> RoundShape:
     """What a round that ran fed the target and asked of the drafter (RoundCosts' features)."""
-    fed = verified = longest = sampling = 0
-    for u in report.updates:
-        if u.error is None:
-            scored = u.proposed if u.tree_nodes is None else u.tree_nodes
-            fed, verified, longest = fed + scored + 1, verified + 1, max(longest, scored)
-            sampling = sampling or not greedy.get(u.req_id, True)
+    fed = verified = longest = sampling = tree = 0
+    for u in (u for u in report.updates if u.error is None):
+        scored = u.proposed if u.tree_nodes is None else u.tree_nodes
+        fed, verified, longest = fed + scored + 1, verified + 1, max(longest, scored)
+        sampling, tree = sampling or not greedy.get(u.req_id, True), tree or u.tree_nodes is not None
     sampled = verified * (longest + 1) if sampling and longest else 0
-    return RoundShape(fed, sampled, report.draft_steps, report.draft_proposed, report.draft_catch_up)
+    return RoundShape(fed, sampled, report.draft_steps, report.draft_proposed, report.draft_catch_up, int(tree))

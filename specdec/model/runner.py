@@ -30,10 +30,12 @@ class ModelRunner:
         graphed = device.type == "cuda" and model.attention == "triton" and config.cuda_graph_max_batch > 0
         num_blocks = config.kv_cache_blocks
         if num_blocks is None and device.type == "cuda":
+            # Graphs keep their logits buffer, and their pool the largest pass's own logits, which the
+            # headroom (measured on a prefill chunk: one token's logits a sequence) does not hold.
+            graph_logits = 2 * graph_logits_bytes(model.config.vocab_size, config.cuda_graph_max_batch)
             num_blocks = accelerator_num_blocks(
                 model, memory or CudaMemory(device), config.kv_block_size, config.kv_memory_fraction,
-                config.prefill_chunk_tokens, f"{config.role}.kv_memory_fraction",
-                reserved=graph_logits_bytes(model.config.vocab_size, config.cuda_graph_max_batch) if graphed else 0)
+                config.prefill_chunk_tokens, f"{config.role}.kv_memory_fraction", reserved=graph_logits * graphed)
         elif num_blocks is None:
             num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)

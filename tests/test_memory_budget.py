@@ -131,7 +131,8 @@ def test_a_headroom_measured_already_is_not_measured_again(model):
 
 def test_the_cuda_graphs_logits_are_kept_out_of_the_cache(model):
     """Every graph writes its logits into one buffer of the largest bucket's 16 rows (a 128k
-    vocabulary at 32 sequences: 263 MB), which the cache's budget leaves free."""
+    vocabulary at 32 sequences: 263 MB), which the cache's budget leaves free (the runner twice
+    that: the graphs' pool holds the largest pass's own logits too)."""
     from specdec.model.cuda_graphs import graph_logits_bytes
     from specdec.model.memory_budget import accelerator_num_blocks
 

@@ -195,14 +195,17 @@ def test_ragged_passes_replay_padded_to_their_longest_sequence(checkpoint, monke
     graph_cache.check_accounting()
 
 
-def test_every_bucket_and_query_length_is_prepared_before_the_first_pass(checkpoint, monkeypatch):
+def test_every_bucket_and_query_length_is_prepared_before_the_first_pass(checkpoint, monkeypatch, caplog):
     """capture_all: a graph for each bucket and each q up to a block (at most 16), so no round
-    meets a capture (whose time the adaptive policy would learn as the round's cost)."""
+    meets a capture (whose time the adaptive policy would learn as the round's cost); the worker's
+    log says how many and how long (seconds at a start)."""
     monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
     model = load_model(checkpoint, cpu_kernels=False)
     graphs = GraphedPasses(model, model.new_kv_cache(num_blocks=24, block_size=8), max_batch=3, capture=False)
-    graphs.capture_all()
+    with caplog.at_level("INFO", logger="specdec.model.cuda_graphs"):
+        graphs.capture_all()
     assert sorted(graphs._captured) == [(b, q) for b in (1, 2, 4) for q in range(1, 9)]
+    assert "CUDA graphs for batches up to 4 and 1-8 new tokens a sequence: 24, captured in" in caplog.text
 
 
 def test_small_grids_split_the_keys_to_fill_the_multiprocessors():

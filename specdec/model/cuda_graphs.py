@@ -25,6 +25,8 @@ one graph serves every context length.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from specdec.kv_cache import PagedKVCache
 from specdec.model.batch import ForwardBatch
 
+log = logging.getLogger(__name__)
 MAX_GRAPH_QUERY_LEN = 16  # the longest q replayed (K + 1 of a verify pass); longer passes run eagerly
 
 
@@ -77,10 +80,13 @@ class GraphedPasses:
 
     def capture_all(self) -> None:
         """Capture (or, without capture, prepare) the graph of every bucket and q replayed."""
+        began, longest = time.perf_counter(), min(MAX_GRAPH_QUERY_LEN, self.cache.block_size)
         for bucket in self.buckets:
-            for q in range(1, min(MAX_GRAPH_QUERY_LEN, self.cache.block_size) + 1):
+            for q in range(1, longest + 1):
                 if (bucket, q) not in self._captured:
                     self._capture(bucket, q)
+        log.info("CUDA graphs for batches up to %d and 1-%d new tokens a sequence: %d, captured in %.1f s",
+                 self.buckets[-1], longest, len(self._captured), time.perf_counter() - began)
 
     def replayable(self, batch: ForwardBatch) -> bool:
         return (not batch.has_tree

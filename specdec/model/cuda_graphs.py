@@ -58,7 +58,7 @@ class _Captured:
 
 
 class GraphedPasses:
-    """Model.forward through CUDA graphs for uniform passes (module docstring), eager otherwise.
+    """Model.forward through CUDA graphs for the passes the module docstring names, eager otherwise.
     capture=False replays by running the captured batch eagerly: the same input tensors and
     padding, testable on a CPU."""
 
@@ -73,8 +73,8 @@ class GraphedPasses:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         # Every graph writes its logits here: one kept per graph, a 128k vocabulary's would take
         # 6 GB over the buckets and q (the pool reuses the rest of a graph's memory in the next).
-        rows = graph_logits_bytes(model.config.vocab_size, max_batch) // (4 * model.config.vocab_size)
-        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32, device=model.device)
+        self.logits = torch.empty(self.buckets[-1] * MAX_GRAPH_QUERY_LEN, model.config.vocab_size,
+                                  dtype=torch.float32, device=model.device)  # (graph_logits_bytes)
         self._captured: dict[tuple[int, int], _Captured] = {}
         self.replays = 0
 

@@ -71,6 +71,11 @@ class GraphedPasses:
         self.table_width = min(cache.allocator.num_blocks,
                                -(-model.config.max_position_embeddings // cache.block_size))
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        # Padding's positions and slots (a block of the reserved one's offsets), made once: a ragged
+        # pass or a padded bucket takes its first q, with no new tensor on the way to a replay.
+        self.max_query_len = min(MAX_GRAPH_QUERY_LEN, cache.block_size)
+        self._in_block = torch.arange(self.max_query_len, device=model.device)
+        self._scratch_slots = self._in_block + self.scratch_block * cache.block_size
         # Every graph writes its logits here: one kept per graph, a 128k vocabulary's would take
         # 6 GB over the buckets and q (the pool reuses the rest of a graph's memory in the next).
         self.logits = torch.empty(self.buckets[-1] * MAX_GRAPH_QUERY_LEN, model.config.vocab_size,
@@ -80,18 +85,17 @@ class GraphedPasses:
 
     def capture_all(self) -> None:
         """Capture (or, without capture, prepare) the graph of every bucket and q replayed."""
-        began, longest = time.perf_counter(), min(MAX_GRAPH_QUERY_LEN, self.cache.block_size)
+        began = time.perf_counter()
         for bucket in self.buckets:
-            for q in range(1, longest + 1):
+            for q in range(1, self.max_query_len + 1):
                 if (bucket, q) not in self._captured:
                     self._capture(bucket, q)
         log.info("CUDA graphs for batches up to %d and 1-%d new tokens a sequence: %d, captured in %.1f s",
-                 self.buckets[-1], longest, len(self._captured), time.perf_counter() - began)
+                 self.buckets[-1], self.max_query_len, len(self._captured), time.perf_counter() - began)
 
     def replayable(self, batch: ForwardBatch) -> bool:
         return (not batch.has_tree
-                and batch.max_query_len <= MAX_GRAPH_QUERY_LEN
-                and batch.max_query_len <= self.cache.block_size
+                and batch.max_query_len <= self.max_query_len
                 and batch.block_tables.shape[0] <= self.buckets[-1]
                 and batch.block_tables.shape[1] <= self.table_width
                 and batch.context_len <= self.model.rotary.cos.shape[0])
@@ -126,7 +130,7 @@ class GraphedPasses:
         else:  # token_rows: each real token's row in the [num_seqs * q] layout
             static.input_ids[:tokens].zero_()
             static.positions[:tokens].copy_((batch.seq_lens - 1).repeat_interleave(q))
-            static.slots[:tokens].copy_(self._scratch_slots(q).repeat(num_seqs))
+            static.slots[:tokens].copy_(self._scratch_slots[:q].repeat(num_seqs))
             for name in ("input_ids", "positions", "slots"):
                 getattr(static, name)[:tokens].index_copy_(0, batch.token_rows, getattr(batch, name))
         static.block_tables[:num_seqs, :width].copy_(batch.block_tables)
@@ -134,15 +138,11 @@ class GraphedPasses:
         if num_seqs < static.seq_lens.shape[0]:
             self._pad(static, num_seqs, q)
 
-    def _scratch_slots(self, q: int) -> torch.Tensor:
-        """[q] the reserved block's first q slots."""
-        return torch.arange(q, device=self.model.device) + self.scratch_block * self.cache.block_size
-
     def _pad(self, static: ForwardBatch, first: int, q: int) -> None:
         rows = static.seq_lens.shape[0] - first
         static.input_ids[first * q:].zero_()
-        static.positions[first * q:].copy_(torch.arange(q, device=static.positions.device).repeat(rows))
-        static.slots[first * q:].copy_(self._scratch_slots(q).repeat(rows))
+        static.positions[first * q:].copy_(self._in_block[:q].repeat(rows))
+        static.slots[first * q:].copy_(self._scratch_slots[:q].repeat(rows))
         static.block_tables[first:, 0].fill_(self.scratch_block)
         static.seq_lens[first:].fill_(q)
 

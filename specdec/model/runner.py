@@ -35,7 +35,8 @@ class ModelRunner:
             graph_logits = 2 * graph_logits_bytes(model.config.vocab_size, config.cuda_graph_max_batch)
             num_blocks = accelerator_num_blocks(
                 model, memory or CudaMemory(device), config.kv_block_size, config.kv_memory_fraction,
-                config.prefill_chunk_tokens, f"{config.role}.kv_memory_fraction", reserved=graph_logits * graphed)
+                config.prefill_chunk_tokens, f"{config.role}.kv_memory_fraction",
+                reserved=graph_logits if graphed else 0)
         elif num_blocks is None:
             num_blocks = default_num_blocks(model, config.kv_block_size, config.kv_cache_max_bytes)
         self.cache: PagedKVCache = model.new_kv_cache(num_blocks, config.kv_block_size)

@@ -280,7 +280,7 @@ class SpeculationPolicy:
         plain, others, n = v0 + v1 * batch + overhead, self.branches - 1, len(free)
         items = sorted(self._items(free, estimates), key=lambda item: -item[0])
         best_rate, best = batch / max(plain, 1e-9), ([0] * n, [0] * n)
-        for order in (items, [item for item in items if not item[3]]) if tree else (items,):
+        for order in (items, [i for i in items if not i[3]]) if tree and any(i[3] for i in items) else [items]:
             ks, sides, nodes, charged = [0] * n, [0] * n, [0] * n, [0.0] * n
             # The round's seconds: plain, the rest of a draft call, steps (the largest K), the longest proposal.
             tokens, verify, draft_tokens, steps, longest, tree_price = float(batch), plain, d0, 0, 0, tree

@@ -17,14 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.rounds.request import Request  # noqa: E402
-from coordinator.rounds.scheduler import Scheduler  # noqa: E402
-from draft_worker.worker import DraftWorker  # noqa: E402
-from specdec.config import SHIPPED_DRAFT, SHIPPED_TARGET, ServiceConfig  # noqa: E402
-from specdec.params import SamplingParams  # noqa: E402
+from specdec import LocalEngine, SamplingParams  # noqa: E402
+from specdec.config import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specdec.tokenizer import load_tokenizer  # noqa: E402
 from specdec_app.bench.prompts import load_prompts  # noqa: E402
-from target_worker.worker import TargetWorker  # noqa: E402
 
 
 def by_position(target: str, draft: str, prompts: list[list[int]], k: int, params: SamplingParams,
@@ -32,25 +28,24 @@ def by_position(target: str, draft: str, prompts: list[list[int]], k: int, param
     """(accepted, tested) at each position 1..k over every round of the prompts, one at a time, and
     the first position's apart by whether the request's round before rejected a token (the
     policy's `first` rate: True) or not (settings: more of the service's, as LocalEngine takes them)."""
-    config = ServiceConfig.from_settings(target=target, draft=draft, adaptive=False, num_speculative_tokens=k,
-                                         **settings)
-    sched = Scheduler(TargetWorker.from_config(config.target), DraftWorker.from_config(config.draft), None,
-                      config.scheduler)
     hits, tested, missed = collections.Counter(), collections.Counter(), {}
     first = {True: [0, 0], False: [0, 0]}  # after a miss: [accepted, tested]
-    for i, prompt in enumerate(prompts):
-        sched.add_request(Request(f"r{i}", prompt, params))
-        while sched.has_work() or sched.running:
-            for update in sched.step().updates:
-                if update.proposed:
-                    after_miss = missed.get(update.req_id, False)
-                    first[after_miss][0] += update.accepted >= 1
-                    first[after_miss][1] += 1
-                    missed[update.req_id] = update.accepted < update.proposed
-                for position in range(1, update.proposed + 1):
-                    if update.accepted >= position - 1:  # (tested: every token before it accepted)
-                        tested[position] += 1
-                        hits[position] += update.accepted >= position
+
+    def on_round(report) -> None:
+        for update in report.updates:
+            if update.proposed:
+                after_miss = missed.get(update.req_id, False)
+                first[after_miss][0] += update.accepted >= 1
+                first[after_miss][1] += 1
+                missed[update.req_id] = update.accepted < update.proposed
+            for position in range(1, update.proposed + 1):
+                if update.accepted >= position - 1:  # (tested: every token before it accepted)
+                    tested[position] += 1
+                    hits[position] += update.accepted >= position
+
+    engine = LocalEngine(target, draft, adaptive=False, num_speculative_tokens=k, on_round=on_round, **settings)
+    for prompt in prompts:
+        engine.generate([prompt], params)
     return [(hits[p], tested[p]) for p in range(1, k + 1)], {m: (a, t) for m, (a, t) in first.items()}
 
 
